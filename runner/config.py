@@ -1,0 +1,290 @@
+"""Typed, validated configuration read from `configuration.yml`.
+
+Every error names the dotted key, the value found and what was expected, so a user can fix
+the file from one line: `runners.iris_clf.batching.max_latency_ms has value -5; it must be a
+positive number`. Nothing here starts a process or loads a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+# Open Inference Protocol v2 datatypes and the numpy dtype each travels as.
+DATATYPES: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One named tensor of a model's v2 signature; -1 marks a variable dimension."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return DATATYPES[self.datatype]
+
+
+@dataclass(frozen=True, slots=True)
+class Batching:
+    enabled: bool = True
+    max_batch_size: int = 64
+    max_latency_ms: float = 100.0
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    name: str
+    model: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    workers: int = 1
+    batching: Batching = field(default_factory=Batching)
+    batch_dim: tuple[int, int] = (0, 0)
+    threads: int = 1
+
+    def input(self, name: str) -> TensorSpec | None:
+        return next((spec for spec in self.inputs if spec.name == name), None)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiConfig:
+    host: str = "127.0.0.1"
+    port: int = 3000
+    workers: int = 2
+    max_body_bytes: int = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    runners: Mapping[str, RunnerConfig]
+    api: ApiConfig = field(default_factory=ApiConfig)
+    root: Path = Path(".")
+
+
+# --- readers: each checks one value and says what it expected ---------------------------------
+
+
+def _fail(key: str, value: Any, expected: str) -> ConfigError:
+    return ConfigError(f"{key} has value {value!r}; it must be {expected}")
+
+
+def _mapping(key: str, value: Any, allowed: set[str]) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _fail(key, value, "a mapping")
+    for name in value:
+        if name not in allowed:
+            known = ", ".join(sorted(allowed))
+            raise ConfigError(f"{key}.{name} is not a known key; known keys are: {known}")
+    return value
+
+
+def _int(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(key, value, f"an integer >= {minimum}")
+    if value < minimum:
+        raise _fail(key, value, f"an integer >= {minimum}")
+    return value
+
+
+def _positive(key: str, value: Any) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise _fail(key, value, "a positive number")
+    return float(value)
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(key, value, "true or false")
+    return value
+
+
+def _str(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(key, value, "a non-empty string")
+    return value
+
+
+def _tensor(key: str, value: Any) -> TensorSpec:
+    raw = _mapping(key, value, {"name", "datatype", "shape"})
+    for required in ("name", "datatype", "shape"):
+        if required not in raw:
+            raise ConfigError(f"{key}.{required} is missing")
+    datatype = raw["datatype"]
+    if datatype not in DATATYPES:
+        raise _fail(f"{key}.datatype", datatype, "one of " + ", ".join(DATATYPES))
+    shape = raw["shape"]
+    if not isinstance(shape, list) or not shape:
+        raise _fail(f"{key}.shape", shape, "a non-empty list of dimensions (-1 for variable)")
+    for i, dim in enumerate(shape):
+        if isinstance(dim, bool) or not isinstance(dim, int) or (dim < 1 and dim != -1):
+            raise _fail(f"{key}.shape[{i}]", dim, "a positive integer or -1")
+    return TensorSpec(_str(f"{key}.name", raw["name"]), datatype, tuple(shape))
+
+
+def _tensors(key: str, value: Any) -> tuple[TensorSpec, ...]:
+    if not isinstance(value, list) or not value:
+        raise _fail(key, value, "a non-empty list of tensors {name, datatype, shape}")
+    specs = tuple(_tensor(f"{key}[{i}]", item) for i, item in enumerate(value))
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise _fail(key, names, "a list of tensors with distinct names")
+    return specs
+
+
+def _batching(key: str, value: Any) -> Batching:
+    raw = _mapping(key, value, {"enabled", "max_batch_size", "max_latency_ms"})
+    default = Batching()
+    return Batching(
+        enabled=_bool(f"{key}.enabled", raw.get("enabled", default.enabled)),
+        max_batch_size=_int(
+            f"{key}.max_batch_size", raw.get("max_batch_size", default.max_batch_size), 1
+        ),
+        max_latency_ms=_positive(
+            f"{key}.max_latency_ms", raw.get("max_latency_ms", default.max_latency_ms)
+        ),
+    )
+
+
+def _batch_dim(key: str, value: Any, runner: RunnerConfig) -> tuple[int, int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value, value]
+    if not isinstance(value, list) or len(value) != 2:
+        raise _fail(key, value, "an [input, output] pair of dimension indices")
+    dims = (_int(f"{key}[0]", value[0], 0), _int(f"{key}[1]", value[1], 0))
+    for (spec_key, specs), dim in zip(
+        (("inputs", runner.inputs), ("outputs", runner.outputs)), dims, strict=True
+    ):
+        for spec in specs:
+            if dim >= len(spec.shape) or spec.shape[dim] != -1:
+                raise ConfigError(
+                    f"{key} has value {list(value)!r}; {spec_key} tensor {spec.name!r} with "
+                    f"shape {list(spec.shape)} must have -1 (the batch) at dimension {dim}"
+                )
+    return dims
+
+
+RUNNER_KEYS = {"model", "workers", "batching", "inputs", "outputs", "batch_dim", "threads"}
+
+
+def _runner(key: str, name: str, value: Any) -> RunnerConfig:
+    raw = _mapping(key, value, RUNNER_KEYS)
+    for required in ("model", "inputs", "outputs"):
+        if required not in raw:
+            raise ConfigError(f"{key}.{required} is missing")
+    model = _str(f"{key}.model", raw["model"])
+    if ":" not in model:
+        raise _fail(f"{key}.model", model, "an import path 'module:attribute'")
+    runner = RunnerConfig(
+        name=name,
+        model=model,
+        inputs=_tensors(f"{key}.inputs", raw["inputs"]),
+        outputs=_tensors(f"{key}.outputs", raw["outputs"]),
+        workers=_int(f"{key}.workers", raw.get("workers", 1), 1),
+        batching=_batching(f"{key}.batching", raw.get("batching", {})),
+        threads=_int(f"{key}.threads", raw.get("threads", 1), 1),
+    )
+    batch_dim = _batch_dim(f"{key}.batch_dim", raw.get("batch_dim", [0, 0]), runner)
+    return RunnerConfig(**{**_fields(runner), "batch_dim": batch_dim})
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in obj.__slots__}
+
+
+def _api(key: str, value: Any) -> ApiConfig:
+    raw = _mapping(key, value, {"host", "port", "workers", "max_body_bytes"})
+    default = ApiConfig()
+    port = _int(f"{key}.port", raw.get("port", default.port), 0)
+    if port > 65535:
+        raise _fail(f"{key}.port", port, "a port number from 0 to 65535")
+    return ApiConfig(
+        host=_str(f"{key}.host", raw.get("host", default.host)),
+        port=port,
+        workers=_int(f"{key}.workers", raw.get("workers", default.workers), 1),
+        max_body_bytes=_int(
+            f"{key}.max_body_bytes", raw.get("max_body_bytes", default.max_body_bytes), 1
+        ),
+    )
+
+
+def parse(document: Any, root: Path = Path(".")) -> Config:
+    """Build a `Config` from a loaded YAML document, or raise `ConfigError`."""
+    raw = _mapping("configuration", document, {"runners", "api"})
+    runners = raw.get("runners")
+    if not isinstance(runners, Mapping) or not runners:
+        raise _fail("runners", runners, "a mapping of at least one runner name to its settings")
+    parsed = {}
+    for name, value in runners.items():
+        if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
+            raise _fail("runners", name, "keyed by names of letters, digits, '_' and '-'")
+        parsed[name] = _runner(f"runners.{name}", name, value)
+    return Config(runners=parsed, api=_api("api", raw.get("api", {})), root=root)
+
+
+def load(path: str | Path) -> Config:
+    """Read and validate a configuration file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read configuration {str(path)!r}: {exc.strerror}") from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    return parse(document, root=path.resolve().parent)
+
+
+def resolve(config: Config, runner: RunnerConfig) -> Callable[..., Any] | Any:
+    """Import the object a runner's `model` names; the config file's folder is importable."""
+    module_name, _, attribute = runner.model.partition(":")
+    key = f"runners.{runner.name}.model"
+    root = str(config.root)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an import runs user code: any failure is a config error
+        raise ConfigError(
+            f"{key} has value {runner.model!r}; module {module_name!r} cannot be imported "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+    target: Any = module
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ConfigError(
+                f"{key} has value {runner.model!r}; module {module_name!r} has no "
+                f"attribute {attribute!r}"
+            ) from None
+    return target

@@ -1,0 +1,144 @@
+"""Batching policies: pure decisions over a request queue, driven by an injected clock.
+
+A policy owns no socket, task or thread. The live dispatcher (`runner.dispatcher`) and the
+discrete-event simulator (`runner.simulate`) drive the very same object through four calls:
+
+    offer(request, now) -> bool         admit a request, or refuse it at once (HTTP 503)
+    poll(now) -> Step                   when the model is free, after an arrival, on a wake-up
+    complete(batch, started, finished)  the measured processing time of a released batch
+    stats(now) -> PolicyStats           a snapshot for metrics
+
+At most one batch is in flight: `poll` returns a batch only when the previous one completed.
+Requests whose deadline passes while queued come back in `Step.expired` and are answered 503
+without any compute spent on them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Protocol
+
+Reason = Literal["idle", "full", "deadline", "window", "cap"]
+"""Why a batch was released: the model was idle with work queued (`idle`), the batch reached
+the cap (`full`), the oldest request could wait no longer (`deadline`), a waiting window ran
+out (`window`), or the adaptive cap cut the batch (`cap`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A queued request as a policy sees it: times are seconds on the injected clock."""
+
+    id: int
+    rows: int
+    arrival: float
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    requests: tuple[Request, ...]
+    reason: Reason
+
+    @property
+    def rows(self) -> int:
+        return sum(request.rows for request in self.requests)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What to do now: run `batch` (if any), refuse `expired`, and poll again by `wake_at`."""
+
+    batch: Batch | None = None
+    expired: tuple[Request, ...] = ()
+    wake_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyStats:
+    window_s: float
+    cap: int
+    intercept_s: float
+    slope_s: float
+    p99_batch_s: float
+    arrival_rps: float
+    queued: int
+
+
+class Policy(Protocol):
+    def offer(self, request: Request, now: float) -> bool: ...
+
+    def poll(self, now: float) -> Step: ...
+
+    def complete(self, batch: Batch, started: float, finished: float) -> None: ...
+
+    def stats(self, now: float) -> PolicyStats: ...
+
+    def calibration_sizes(self) -> tuple[int, ...]:
+        """Batch sizes (rows) the runner times on synthetic rows before it reports ready."""
+        ...
+
+    def calibrate(self, rows: int, seconds: float) -> None:
+        """One measured calibration batch."""
+        ...
+
+    def refit_job(self, now: float) -> Callable[[], Any] | None:
+        """A pure closure over a snapshot of samples when a refit is due, else None.
+
+        The live dispatcher runs it on a background thread and hands its result to
+        `apply_fit` on the event loop; the simulator runs it inline.
+        """
+        ...
+
+    def apply_fit(self, fit: Any) -> None: ...
+
+
+class GreedyPolicy:
+    """Release whatever is queued, up to the cap, as soon as the model is free.
+
+    The floor every other policy is measured against: it never waits and never refuses
+    early; it only drops requests whose deadline has already passed.
+    """
+
+    def __init__(self, max_batch_size: int) -> None:
+        self.cap = max_batch_size
+        self.queue: deque[Request] = deque()
+        self.busy = False
+
+    def offer(self, request: Request, now: float) -> bool:
+        self.queue.append(request)
+        return True
+
+    def poll(self, now: float) -> Step:
+        expired = []
+        while self.queue and self.queue[0].deadline <= now:
+            expired.append(self.queue.popleft())
+        if self.busy or not self.queue:
+            return Step(expired=tuple(expired))
+        taken: list[Request] = []
+        rows = 0
+        while self.queue and (not taken or rows + self.queue[0].rows <= self.cap):
+            request = self.queue.popleft()
+            taken.append(request)
+            rows += request.rows
+        self.busy = True
+        reason: Reason = "full" if rows >= self.cap else "idle"
+        return Step(batch=Batch(tuple(taken), reason), expired=tuple(expired))
+
+    def complete(self, batch: Batch, started: float, finished: float) -> None:
+        self.busy = False
+
+    def stats(self, now: float) -> PolicyStats:
+        return PolicyStats(0.0, self.cap, 0.0, 0.0, 0.0, 0.0, len(self.queue))
+
+    def calibration_sizes(self) -> tuple[int, ...]:
+        return ()
+
+    def calibrate(self, rows: int, seconds: float) -> None:
+        pass
+
+    def refit_job(self, now: float) -> Callable[[], Any] | None:
+        return None
+
+    def apply_fit(self, fit: Any) -> None:
+        pass
