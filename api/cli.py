@@ -1,0 +1,87 @@
+"""The `batchserve` command: serve, validate, simulate, bench.
+
+Library code raises; only this module turns an error into one line on stderr and a
+non-zero exit status (3 for a bad configuration, as uvicorn does for a failed start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from runner.config import Config, ConfigError, load, resolve
+
+CONFIG_ERROR = 3
+
+
+def _check(path: Path) -> Config:
+    """Load the file and import every runner's model, without building or starting any."""
+    config = load(path)
+    for runner in config.runners.values():
+        resolve(config, runner)
+    return config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from api.supervisor import Supervisor
+
+    config = _check(args.config)
+    api = config.api
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return Supervisor(
+        config,
+        args.config,
+        host=args.host or api.host,
+        port=api.port if args.port is None else args.port,
+        api_workers=args.api_workers or api.workers,
+    ).run()
+
+
+def _validate(args: argparse.Namespace) -> int:
+    config = _check(args.path)
+    names = ", ".join(config.runners)
+    print(f"{args.path}: valid ({len(config.runners)} runner(s): {names})")
+    return 0
+
+
+def _forward(module: str) -> Callable[[list[str]], int]:
+    def run(rest: list[str]) -> int:
+        main: Callable[[list[str]], int] = getattr(__import__(module, fromlist=["main"]), "main")
+        return main(rest)
+
+    return run
+
+
+FORWARDED = {"simulate": _forward("runner.simulate"), "bench": _forward("api.bench")}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchserve", description="Adaptive-batching server")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="start runners and API workers")
+    serve.add_argument("--config", type=Path, default=Path("configuration.yml"))
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--api-workers", type=int)
+    serve.set_defaults(handler=_serve)
+    validate = commands.add_parser("validate", help="check a configuration file")
+    validate.add_argument("path", type=Path, nargs="?", default=Path("configuration.yml"))
+    validate.set_defaults(handler=_validate)
+    for name in FORWARDED:
+        commands.add_parser(name, help=f"see 'batchserve {name} --help'", add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in FORWARDED:
+        return FORWARDED[argv[0]](argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return CONFIG_ERROR

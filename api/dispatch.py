@@ -1,0 +1,157 @@
+"""Sending calls to runner processes: one persistent, multiplexed connection each.
+
+Every API worker keeps one connection per runner process and picks a process uniformly at
+random for each request, among those connected. A connection that drops fails its calls in
+flight at once (503), and reconnects in the background, so a restarted runner takes
+traffic again without anyone asking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Sequence
+
+from api.errors import Unavailable
+from runner.wire import (
+    Address,
+    Call,
+    Failure,
+    FailureCode,
+    FrameReader,
+    Message,
+    Ping,
+    Pong,
+    Result,
+    Tensors,
+    WireError,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+RECONNECT_S = (0.05, 1.0)  # first and longest pause between attempts
+
+
+class RunnerFailure(Exception):
+    """A runner answered a call with a failure code instead of tensors."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+class Link(asyncio.Protocol):
+    """One connection to one runner process, with the calls waiting on it."""
+
+    def __init__(self, runner: str, address: Address) -> None:
+        self.runner = runner
+        self.address = address
+        self.transport: asyncio.Transport | None = None
+        self.pending: dict[int, asyncio.Future[Message]] = {}
+        self.reader = FrameReader()
+        self.next_id = 0
+        self.lost = asyncio.Event()
+
+    @property
+    def connected(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.reader = FrameReader()
+        self.lost.clear()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        pending, self.pending = self.pending, {}
+        error = Unavailable(f"runner {self.runner!r} at {self.address} went away mid-request")
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self.lost.set()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for body in self.reader.feed(data):
+                message = decode(body)
+                future = self.pending.pop(message.id, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+        except WireError as exc:
+            log.error("runner %s at %s sent a bad frame: %s", self.runner, self.address, exc)
+            if self.transport is not None:
+                self.transport.close()
+
+    def send(self, message_for: type[Call] | type[Ping], *args: object) -> asyncio.Future[Message]:
+        if self.transport is None or self.transport.is_closing():
+            raise Unavailable(f"runner {self.runner!r} at {self.address} is not connected")
+        self.next_id += 1
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self.pending[self.next_id] = future
+        self.transport.writelines(encode(message_for(self.next_id, *args)))  # type: ignore
+        return future
+
+    async def maintain(self) -> None:
+        """Keep this link connected for as long as the task runs."""
+        pause = RECONNECT_S[0]
+        while True:
+            try:
+                await self.address.connect(lambda: self)
+            except OSError:
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, RECONNECT_S[1])
+                continue
+            pause = RECONNECT_S[0]
+            await self.lost.wait()
+
+
+class Pool:
+    """The processes of one runner, as seen from one API worker."""
+
+    def __init__(self, runner: str, addresses: Sequence[Address]) -> None:
+        self.runner = runner
+        self.links = [Link(runner, address) for address in addresses]
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(link.maintain()) for link in self.links]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for link in self.links:
+            if link.transport is not None:
+                link.transport.close()
+
+    @property
+    def ready(self) -> bool:
+        return any(link.connected for link in self.links)
+
+    def pick(self) -> Link:
+        """A connected process, uniformly at random."""
+        links = [link for link in self.links if link.connected]
+        if not links:
+            raise Unavailable(f"no process of runner {self.runner!r} is reachable")
+        return links[0] if len(links) == 1 else random.choice(links)
+
+    async def infer(self, tensors: Tensors, budget_s: float) -> Tensors:
+        message = await self.pick().send(Call, budget_s, tensors)
+        if isinstance(message, Result):
+            return message.tensors
+        if isinstance(message, Failure):
+            raise RunnerFailure(message)
+        raise WireError(f"runner {self.runner!r} answered a call with {type(message).__name__}")
+
+    async def ping(self) -> None:
+        message = await self.pick().send(Ping)
+        if not isinstance(message, Pong):
+            raise WireError(f"runner {self.runner!r} answered a ping with {message!r}")
+
+
+__all__ = ["FailureCode", "Link", "Pool", "RunnerFailure"]

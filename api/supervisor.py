@@ -1,0 +1,265 @@
+"""The supervisor: starts runner processes, then API workers, and keeps them all alive.
+
+Runners start first and each must answer a ping (model loaded, calibrated) before any API
+worker starts; the API socket is bound once here and shared with every worker. Signal
+handlers only note the signal; the main loop acts on it. A child that dies is replaced;
+its in-flight requests were already answered 503 by the API worker that lost the
+connection. Shutdown goes in order: API workers (stop accepting, finish what they hold),
+then runners (drain), then whatever is left is killed. A second signal kills at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import http.client
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+from prometheus_client import multiprocess
+
+from runner.config import Config
+from runner.wire import Address, FrameReader, Ping, Pong, decode, encode
+
+log = logging.getLogger("batchserve")
+RUNNER_START_S = 300.0
+API_START_S = 60.0
+STOP_GRACE_S = 4.0
+RESTART_PAUSE_S = 1.0
+_PR_SET_PDEATHSIG = 1
+
+
+class StartupError(RuntimeError):
+    """A child could not be started or did not become ready in time."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the supervisor dies, even by SIGKILL."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    """One supervised process and the command that (re)starts it."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    pass_fds: tuple[int, ...] = ()
+    address: Address | None = None
+    process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    restarts: int = 0
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            self.command, env=self.env, pass_fds=self.pass_fds, start_new_session=True,
+            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+        )
+        self.started = time.monotonic()
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def signal(self, signum: int) -> None:
+        if self.alive:
+            assert self.process is not None
+            self.process.send_signal(signum)
+
+
+def probe(address: Address, timeout: float = 1.0) -> bool:
+    """Whether a runner answers a ping: it is loaded, calibrated and listening."""
+    family = socket.AF_UNIX if address.scheme == "unix" else socket.AF_INET
+    target: str | tuple[str, int] = address.target
+    if address.scheme == "tcp":
+        host, _, port = address.target.rpartition(":")
+        target = (host, int(port))
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as connection:
+            connection.settimeout(timeout)
+            connection.connect(target)
+            connection.sendall(b"".join(bytes(chunk) for chunk in encode(Ping(1))))
+            reader = FrameReader()
+            while True:
+                data = connection.recv(4096)
+                if not data:
+                    return False
+                for body in reader.feed(data):
+                    return isinstance(decode(body), Pong)
+    except OSError:
+        return False
+
+
+def http_ready(host: str, port: int, timeout: float = 1.0) -> bool:
+    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        connection.request("GET", "/v2/health/ready")
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        connection.close()
+
+
+@dataclass
+class Supervisor:
+    config: Config
+    config_path: Path
+    host: str
+    port: int
+    api_workers: int
+    runners: list[Child] = field(default_factory=list)
+    apis: list[Child] = field(default_factory=list)
+    signals: list[int] = field(default_factory=list)
+    wake: threading.Event = field(default_factory=threading.Event)
+    metrics_dir: Path | None = None
+
+    def run(self) -> int:
+        """Serve until SIGINT or SIGTERM; the exit status of the whole server."""
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._on_signal)
+        with tempfile.TemporaryDirectory(prefix="batchserve-") as folder:
+            try:
+                listener = self._start(Path(folder))
+            except StartupError as exc:
+                log.error("%s", exc)
+                self._stop()
+                return 1
+            with listener:
+                self._watch()
+                self._stop()
+        return 0
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.signals.append(signum)
+        self.wake.set()
+        if len(self.signals) > 1:  # a second signal: no more patience
+            for child in self.apis + self.runners:
+                child.signal(signal.SIGKILL)
+
+    def _environment(self, folder: Path, threads: int = 1) -> dict[str, str]:
+        self.metrics_dir = folder / "metrics"
+        self.metrics_dir.mkdir(exist_ok=True)
+        return {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
+                "OMP_NUM_THREADS": str(threads)}
+
+    def _start(self, folder: Path) -> socket.socket:
+        config_arg = str(self.config_path.resolve())
+        for runner in self.config.runners.values():
+            for index in range(runner.workers):
+                address = Address("unix", str(folder / f"{runner.name}-{index}.sock"))
+                self.runners.append(Child(
+                    f"runner {runner.name}[{index}]",
+                    [sys.executable, "-m", "runner", "--config", config_arg,
+                     "--runner", runner.name, "--address", str(address)],
+                    self._environment(folder, runner.threads), address=address,
+                ))
+        for child in self.runners:
+            child.start()
+        self._await_runners()
+        listener = self._bind()
+        addresses: dict[str, list[str]] = {}
+        for runner in self.config.runners.values():
+            addresses[runner.name] = [
+                str(c.address) for c in self.runners if c.name.startswith(f"runner {runner.name}[")
+            ]
+        for index in range(self.api_workers):
+            self.apis.append(Child(
+                f"api worker {index}",
+                [sys.executable, "-m", "api.worker", "--config", config_arg,
+                 "--runners", orjson.dumps(addresses).decode(), "--fd", str(listener.fileno())],
+                self._environment(folder), pass_fds=(listener.fileno(),),
+            ))
+        for child in self.apis:
+            child.start()
+        self._await_api(listener)
+        return listener
+
+    def _await_runners(self) -> None:
+        deadline = time.monotonic() + RUNNER_START_S
+        waiting = list(self.runners)
+        while waiting:
+            if self.signals:
+                raise StartupError("stopped by a signal while runners were starting")
+            for child in list(waiting):
+                if not child.alive:
+                    raise StartupError(f"{child.name} exited while starting (see its log above)")
+                assert child.address is not None
+                if probe(child.address):
+                    waiting.remove(child)
+            if time.monotonic() > deadline:
+                names = ", ".join(child.name for child in waiting)
+                raise StartupError(f"{names} not ready within {RUNNER_START_S:.0f} s")
+            self.wake.wait(0.05)
+
+    def _bind(self) -> socket.socket:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((self.host, self.port))
+        except OSError as exc:
+            listener.close()
+            raise StartupError(f"cannot listen on {self.host}:{self.port}: {exc.strerror}") from None
+        listener.listen(2048)
+        listener.set_inheritable(True)
+        self.port = listener.getsockname()[1]
+        return listener
+
+    def _await_api(self, listener: socket.socket) -> None:
+        deadline = time.monotonic() + API_START_S
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        while not http_ready(host, self.port):
+            if self.signals:
+                raise StartupError("stopped by a signal while API workers were starting")
+            if not all(child.alive for child in self.apis):
+                raise StartupError("an API worker exited while starting (see its log above)")
+            if time.monotonic() > deadline:
+                raise StartupError(f"the API did not become ready within {API_START_S:.0f} s")
+            self.wake.wait(0.05)
+        log.info("batchserve ready at http://%s:%d (pid %d)", self.host, self.port, os.getpid())
+
+    def _watch(self) -> None:
+        while not self.signals:
+            for child in self.runners + self.apis:
+                if not child.alive and time.monotonic() - child.started > RESTART_PAUSE_S:
+                    self._replace(child)
+            self.wake.wait(0.1)
+
+    def _replace(self, child: Child) -> None:
+        assert child.process is not None
+        code = child.process.returncode
+        if self.metrics_dir is not None:
+            multiprocess.mark_process_dead(child.process.pid, str(self.metrics_dir))
+        child.restarts += 1
+        log.warning("%s (pid %d) exited with %s; starting a replacement (restart %d)",
+                    child.name, child.process.pid, code, child.restarts)
+        child.start()
+
+    def _stop(self) -> None:
+        """API workers first, then runners; kill whatever outlives its grace period."""
+        for group in (self.apis, self.runners):
+            for child in group:
+                child.signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in group:
+                if child.process is None:
+                    continue
+                try:
+                    child.process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in time; killing it", child.name)
+                    child.process.kill()
+                    child.process.wait()
+        log.info("batchserve stopped")

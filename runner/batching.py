@@ -1,0 +1,51 @@
+"""Concatenating requests into one batch and splitting the outputs back.
+
+Requests are joined along the input batch dimension and each gets back the slice of every
+output, along the output batch dimension, that matches its own number of rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate
+
+import numpy as np
+
+from runner.wire import Tensors
+
+
+def rows(tensors: Tensors, dim: int) -> int:
+    """The batch size of a request: its length along the batch dimension."""
+    return next(iter(tensors.values())).shape[dim]
+
+
+def concatenate(parts: Sequence[Tensors], dim: int) -> Tensors:
+    if len(parts) == 1:
+        return parts[0]
+    return {name: np.concatenate([part[name] for part in parts], axis=dim) for name in parts[0]}
+
+
+def split(outputs: Tensors, sizes: Sequence[int], dim: int) -> list[Tensors]:
+    """Cut each output at the request boundaries; the slices are views, not copies."""
+    total = sum(sizes)
+    for name, array in outputs.items():
+        if array.ndim <= dim or array.shape[dim] != total:
+            raise ValueError(
+                f"output {name!r} has shape {list(array.shape)}; its dimension {dim} must be "
+                f"the batch of {total} rows"
+            )
+    if len(sizes) == 1:
+        return [outputs]
+    cuts = list(accumulate(sizes))[:-1]
+    pieces = {name: np.split(array, cuts, axis=dim) for name, array in outputs.items()}
+    return [{name: pieces[name][i] for name in outputs} for i in range(len(sizes))]
+
+
+def chunk(tensors: Tensors, dim: int, size: int) -> list[Tensors]:
+    """Cut a request larger than the batch cap into pieces of at most `size` rows (views)."""
+    total = rows(tensors, dim)
+    lead = (slice(None),) * dim
+    return [
+        {name: array[(*lead, slice(start, start + size))] for name, array in tensors.items()}
+        for start in range(0, total, size)
+    ]

@@ -1,0 +1,320 @@
+"""The live dispatcher: drives a pure batching policy with the event loop and a model thread.
+
+The policy decides; this module only does what it says. Arrivals are offered to the policy
+and refused at once when it says so; whenever the model is free, a request arrives or a
+wake-up the policy asked for comes due, the policy is polled; a released batch is joined,
+run on the one model thread (off the event loop) and split back to each request. Requests
+larger than the cap are cut into pieces that batch like any other request and are joined
+again before the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from runner import batching
+from runner.config import RunnerConfig
+from runner.metrics import RunnerMetrics
+from runner.models import Model
+from runner.policy import Batch, Policy, Request
+from runner.wire import FailureCode, Tensors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A request answered without tensors, and why."""
+
+    code: FailureCode
+    message: str
+    retry_after_s: float = 0.0
+
+
+Reply = Callable[[Tensors | Rejection], None]
+
+
+@dataclass(slots=True)
+class _Whole:
+    """A request cut into pieces: collects them and answers once."""
+
+    reply: Reply
+    pieces: list[Tensors | None]
+    missing: int
+    answered: bool = False
+
+
+@dataclass(slots=True)
+class _Job:
+    tensors: Tensors
+    reply: Reply
+    whole: _Whole | None = None
+    index: int = 0
+
+
+@dataclass(slots=True)
+class _Outcome:
+    pieces: list[Tensors] | None
+    error: str | None
+    started: float
+    finished: float
+
+
+@dataclass(slots=True)
+class _Timer:
+    handle: asyncio.TimerHandle | None = None
+    at: float = field(default=float("inf"))
+
+
+def _pin_threads(threads: int) -> None:
+    """Pin torch's (and OpenMP's) thread count in the model thread itself."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(threads)
+
+
+def synthetic_inputs(runner: RunnerConfig, rows: int, seed: int = 0) -> Tensors:
+    """Rows shaped like the declared inputs, for timing the model before it serves."""
+    generator = np.random.default_rng(seed)
+    dim = runner.batch_dim[0]
+    tensors: Tensors = {}
+    for spec in runner.inputs:
+        shape = [rows if i == dim else max(d, 1) for i, d in enumerate(spec.shape)]
+        if spec.dtype.kind == "f":
+            tensors[spec.name] = generator.standard_normal(shape).astype(spec.dtype)
+        else:
+            tensors[spec.name] = np.zeros(shape, dtype=spec.dtype)
+    return tensors
+
+
+class Dispatcher:
+    """Queues requests for one model and releases batches as the policy decides."""
+
+    def __init__(
+        self,
+        runner: RunnerConfig,
+        model: Model,
+        policy: Policy,
+        metrics: RunnerMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.runner = runner
+        self.model = model
+        self.policy = policy
+        self.metrics = metrics
+        self.clock = clock
+        self.max_latency_s = runner.batching.max_latency_ms / 1000
+        self.cap = runner.batching.max_batch_size
+        self._jobs: dict[int, _Job] = {}
+        self._ids = itertools.count()
+        self._busy = False
+        self._accepting = True
+        self._refitting = False
+        self._timer = _Timer()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._model_thread = ThreadPoolExecutor(
+            1, "model", initializer=_pin_threads, initargs=(runner.threads,)
+        )
+        self._refit_thread = ThreadPoolExecutor(1, "refit")
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # --- lifetime -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Time the model at the policy's calibration sizes, so its first fit is well-posed."""
+        self._loop = asyncio.get_running_loop()
+        for i, rows in enumerate(self.policy.calibration_sizes()):
+            tensors = synthetic_inputs(self.runner, rows, seed=i)
+            seconds = await self._loop.run_in_executor(self._model_thread, self._time, tensors)
+            self.policy.calibrate(rows, seconds)
+        self._maybe_refit()
+
+    def _time(self, tensors: Tensors) -> float:
+        started = self.clock()
+        self.model(tensors)
+        return self.clock() - started
+
+    async def drain(self, grace_s: float) -> None:
+        """Let queued and running work finish within `grace_s`, then refuse what is left."""
+        self._accepting = False
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        except TimeoutError:
+            pass
+        for ident in list(self._jobs):
+            self._answer(ident, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
+        self._model_thread.shutdown(wait=False, cancel_futures=True)
+        self._refit_thread.shutdown(wait=False, cancel_futures=True)
+
+    # --- arrivals -----------------------------------------------------------------------------
+
+    def submit(self, tensors: Tensors, budget_s: float, reply: Reply) -> None:
+        """Queue one request; `reply` is called exactly once, on the event loop."""
+        if not self._accepting:
+            reply(Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
+            return
+        now = self.clock()
+        deadline = now + min(budget_s, self.max_latency_s)
+        rows = batching.rows(tensors, self.runner.batch_dim[0])
+        if rows <= self.cap:
+            self._offer(_Job(tensors, reply), rows, now, deadline)
+            return
+        pieces = batching.chunk(tensors, self.runner.batch_dim[0], self.cap)
+        whole = _Whole(reply, [None] * len(pieces), len(pieces))
+        for index, piece in enumerate(pieces):
+            size = batching.rows(piece, self.runner.batch_dim[0])
+            self._offer(_Job(piece, reply, whole, index), size, now, deadline)
+
+    def _offer(self, job: _Job, rows: int, now: float, deadline: float) -> None:
+        ident = next(self._ids)
+        self._jobs[ident] = job
+        if not self.policy.offer(Request(ident, rows, now, deadline), now):
+            self.metrics.rejected("refused")
+            retry = max(self.max_latency_s, 0.001)
+            self._answer(ident, Rejection(
+                FailureCode.REFUSED,
+                f"runner {self.runner.name!r} cannot answer within its deadline now",
+                retry,
+            ))
+            return
+        self._idle.clear()
+        self._pump()
+
+    # --- the loop's side: poll, launch, complete ----------------------------------------------
+
+    def _pump(self) -> None:
+        now = self.clock()
+        step = self.policy.poll(now)
+        if step.expired:
+            self.metrics.rejected("expired", len(step.expired))
+            for request in step.expired:
+                self._answer(request.id, Rejection(
+                    FailureCode.EXPIRED,
+                    f"the request's deadline passed while queued for {self.runner.name!r}",
+                    self.max_latency_s,
+                ))
+        if step.batch is not None:
+            self._launch(step.batch)
+        self._arm(step.wake_at, now)
+        if not self._busy and not self._jobs:
+            self._idle.set()
+
+    def _arm(self, wake_at: float | None, now: float) -> None:
+        timer = self._timer
+        at = float("inf") if wake_at is None else wake_at
+        if at == timer.at:
+            return
+        if timer.handle is not None:
+            timer.handle.cancel()
+            timer.handle = None
+        timer.at = at
+        if wake_at is not None and self._loop is not None:
+            timer.handle = self._loop.call_later(max(0.0, at - now), self._wake)
+
+    def _wake(self) -> None:
+        self._timer.handle = None
+        self._timer.at = float("inf")
+        self._pump()
+
+    def _launch(self, batch: Batch) -> None:
+        assert self._loop is not None, "start() runs before any request"
+        self._busy = True
+        parts = [self._jobs[request.id].tensors for request in batch.requests]
+        sizes = [request.rows for request in batch.requests]
+        future = self._model_thread.submit(self._execute, parts, sizes)
+        loop = self._loop
+        future.add_done_callback(
+            lambda done: loop.call_soon_threadsafe(self._completed, batch, done)
+        )
+
+    def _execute(self, parts: list[Tensors], sizes: list[int]) -> _Outcome:
+        """On the model thread: join, run, split; errors become an outcome, never a crash."""
+        in_dim, out_dim = self.runner.batch_dim
+        started = self.clock()
+        try:
+            outputs = self.model(batching.concatenate(parts, in_dim))
+            pieces = batching.split(outputs, sizes, out_dim)
+            return _Outcome(pieces, None, started, self.clock())
+        except Exception as exc:
+            log.exception("runner %s: batch of %d rows failed", self.runner.name, sum(sizes))
+            return _Outcome(None, f"{type(exc).__name__}: {exc}", started, self.clock())
+
+    def _completed(self, batch: Batch, done: Future[_Outcome]) -> None:
+        self._busy = False
+        if done.cancelled():
+            return
+        outcome = done.result()
+        self.policy.complete(batch, outcome.started, outcome.finished)
+        self.metrics.batch(batch, outcome.started, outcome.finished)
+        if outcome.pieces is None:
+            rejection = Rejection(FailureCode.MODEL_ERROR, f"the model failed: {outcome.error}")
+            for request in batch.requests:
+                self._answer(request.id, rejection)
+        else:
+            for request, piece in zip(batch.requests, outcome.pieces, strict=True):
+                self._answer(request.id, piece)
+        self._pump()
+        self.metrics.publish(self.policy.stats(self.clock()))
+        self._maybe_refit()
+
+    def _answer(self, ident: int, result: Tensors | Rejection) -> None:
+        job = self._jobs.pop(ident, None)
+        if job is None:
+            return
+        if job.whole is None:
+            job.reply(result)
+        else:
+            self._answer_piece(job, result)
+
+    def _answer_piece(self, job: _Job, result: Tensors | Rejection) -> None:
+        whole = job.whole
+        assert whole is not None
+        if whole.answered:
+            return
+        if isinstance(result, Rejection):
+            whole.answered = True
+            whole.reply(result)
+            return
+        whole.pieces[job.index] = result
+        whole.missing -= 1
+        if whole.missing == 0:
+            whole.answered = True
+            pieces = [piece for piece in whole.pieces if piece is not None]
+            whole.reply(batching.concatenate(pieces, self.runner.batch_dim[1]))
+
+    # --- refits, off the critical path --------------------------------------------------------
+
+    def _maybe_refit(self) -> None:
+        if self._refitting or self._loop is None:
+            return
+        job = self.policy.refit_job(self.clock())
+        if job is None:
+            return
+        self._refitting = True
+        loop = self._loop
+        future = self._refit_thread.submit(job)
+        future.add_done_callback(lambda done: loop.call_soon_threadsafe(self._refitted, done))
+
+    def _refitted(self, done: Future[Any]) -> None:
+        self._refitting = False
+        if done.cancelled():
+            return
+        error = done.exception()
+        if error is not None:
+            log.error("runner %s: latency model refit failed: %s", self.runner.name, error)
+            return
+        self.policy.apply_fit(done.result())

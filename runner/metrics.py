@@ -1,0 +1,87 @@
+"""Prometheus metrics a runner process records.
+
+Runners and API workers are separate processes, so metrics go through prometheus_client's
+multiprocess mode: the supervisor gives every process one `PROMETHEUS_MULTIPROC_DIR`, and an
+API worker's `/metrics` merges them. Live gauges keep one series per process (`liveall`), so
+a dead runner's gauges disappear when the supervisor marks it dead.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from runner.policy import Batch, PolicyStats
+
+METHOD = "__call__"
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048)
+SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+batch_size = Histogram(
+    "batchserve_adaptive_batch_size", "Rows in each batch the dispatcher released",
+    ["runner", "method"], buckets=BATCH_BUCKETS,
+)
+queue_wait = Histogram(
+    "batchserve_queue_wait_seconds", "Time from a request's arrival to its batch's start",
+    ["runner"], buckets=SECONDS_BUCKETS,
+)
+batch_duration = Histogram(
+    "batchserve_batch_duration_seconds", "Processing time of each batch (join, model, split)",
+    ["runner"], buckets=SECONDS_BUCKETS,
+)
+rejections = Counter(
+    "batchserve_rejections_total", "Requests the runner answered without running them",
+    ["runner", "reason"],
+)
+batches = Counter(
+    "batchserve_batches_total", "Batches released, by the reason they were released",
+    ["runner", "reason"],
+)
+_GAUGES = {
+    "window_s": ("batchserve_dispatcher_window_seconds", "The dispatcher's current window"),
+    "cap": ("batchserve_dispatcher_batch_cap", "The dispatcher's current batch cap in rows"),
+    "intercept_s": ("batchserve_latency_model_intercept_seconds", "Fitted time per batch"),
+    "slope_s": ("batchserve_latency_model_slope_seconds", "Fitted time per row"),
+    "p99_batch_s": ("batchserve_predicted_batch_p99_seconds", "Predicted p99 time at the cap"),
+    "arrival_rps": ("batchserve_arrival_rate", "Estimated arrivals per second"),
+    "queued": ("batchserve_queue_depth", "Requests waiting in the dispatcher's queue"),
+}
+gauges = {
+    field: Gauge(name, text, ["runner"], multiprocess_mode="liveall")
+    for field, (name, text) in _GAUGES.items()
+}
+
+
+class RunnerMetrics:
+    """The metric children of one runner, resolved once so the hot path does no lookups."""
+
+    GAUGE_PERIOD_S = 0.1
+
+    def __init__(self, runner: str) -> None:
+        self.runner = runner
+        self._batch_size = batch_size.labels(runner, METHOD)
+        self._queue_wait = queue_wait.labels(runner)
+        self._duration = batch_duration.labels(runner)
+        self._gauges = {field: gauge.labels(runner) for field, gauge in gauges.items()}
+        self._published = 0.0
+
+    def batch(self, batch: Batch, started: float, finished: float) -> None:
+        self._batch_size.observe(batch.rows)
+        self._duration.observe(finished - started)
+        batches.labels(self.runner, batch.reason).inc()
+        observe = self._queue_wait.observe
+        for request in batch.requests:
+            observe(max(0.0, started - request.arrival))
+
+    def rejected(self, reason: str, count: int = 1) -> None:
+        rejections.labels(self.runner, reason).inc(count)
+
+    def publish(self, stats: PolicyStats) -> None:
+        """Copy the policy's live state into the gauges, at most every GAUGE_PERIOD_S."""
+        now = time.monotonic()
+        if now - self._published < self.GAUGE_PERIOD_S:
+            return
+        self._published = now
+        for field, gauge in self._gauges.items():
+            gauge.set(getattr(stats, field))

@@ -1,0 +1,110 @@
+"""Turning whatever a runner's `model` names into one calling convention.
+
+`model` may name a factory (a class or a function without required parameters), a torch
+`nn.Module`, or any callable. Every one ends up as a `Model`: a function from named numpy
+batches to named numpy outputs. One input is passed positionally; several are passed as
+keyword arguments, batched key by key. An output may be one array, a tuple in the declared
+order, or a dict by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from runner.config import Config, ConfigError, RunnerConfig, resolve
+from runner.wire import Tensors
+
+
+class ModelError(RuntimeError):
+    """The model raised or returned something that does not match its signature."""
+
+
+def _is_factory(target: Any) -> bool:
+    if inspect.isclass(target):
+        return True
+    if not inspect.isfunction(target):
+        return False
+    parameters = inspect.signature(target).parameters.values()
+    required = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return all(p.default is not p.empty or p.kind not in required for p in parameters)
+
+
+def _torch_module(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+class Model:
+    """A runner's model behind the one calling convention of named numpy tensors."""
+
+    def __init__(self, runner: RunnerConfig, function: Callable[..., Any], torch: bool) -> None:
+        self.runner = runner
+        self._function = function
+        self._torch = torch
+        self._names = [spec.name for spec in runner.inputs]
+        self._outputs = [spec for spec in runner.outputs]
+
+    def __call__(self, inputs: Tensors) -> Tensors:
+        if self._torch:
+            return self._call_torch(inputs)
+        return self._collect(self._invoke(inputs))
+
+    def _invoke(self, inputs: Mapping[str, Any]) -> Any:
+        if len(self._names) == 1:
+            return self._function(inputs[self._names[0]])
+        return self._function(**inputs)
+
+    def _call_torch(self, inputs: Tensors) -> Tensors:
+        import torch
+
+        with torch.inference_mode():
+            result = self._invoke({name: torch.from_numpy(a) for name, a in inputs.items()})
+            return self._collect(result)
+
+    def _collect(self, result: Any) -> Tensors:
+        if isinstance(result, Mapping):
+            values = [result.get(spec.name) for spec in self._outputs]
+        elif isinstance(result, Sequence) and not isinstance(result, str | bytes):
+            values = list(result)
+        else:
+            values = [result]
+        if len(values) != len(self._outputs) or any(v is None for v in values):
+            names = [spec.name for spec in self._outputs]
+            raise ModelError(f"model returned {type(result).__name__}; expected outputs {names}")
+        return {spec.name: self._as_array(spec.name, value, spec.dtype)
+                for spec, value in zip(self._outputs, values, strict=True)}
+
+    @staticmethod
+    def _as_array(name: str, value: Any, dtype: np.dtype[Any]) -> np.ndarray:
+        if hasattr(value, "detach"):
+            value = value.detach().cpu().numpy()
+        array = np.asarray(value)
+        if array.dtype != dtype:
+            array = array.astype(dtype)
+        return array
+
+
+def load(config: Config, runner: RunnerConfig) -> Model:
+    """Import, build and wrap a runner's model."""
+    target = resolve(config, runner)
+    try:
+        model = target() if _is_factory(target) else target
+    except Exception as exc:
+        raise ConfigError(
+            f"runners.{runner.name}.model has value {runner.model!r}; building it raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if not callable(model):
+        raise ConfigError(
+            f"runners.{runner.name}.model has value {runner.model!r}; it names a "
+            f"{type(model).__name__}, which is neither a model nor a factory of one"
+        )
+    is_torch = _torch_module(model)
+    if is_torch:
+        model.eval()
+    return Model(runner, model, is_torch)

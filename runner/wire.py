@@ -1,0 +1,264 @@
+"""The API-to-runner wire: length-prefixed frames carrying tensors as raw bytes.
+
+Nothing is pickled: a frame is a small fixed header, per-tensor headers and the tensors' own
+bytes, so either side can be written in any language and the bytes go from the socket to
+numpy without a per-element step. The format does not care what carries it: `Address`
+names a unix socket today and a TCP endpoint when runners move to other hosts.
+
+    frame   := u32 body_length | body
+    body    := u8 kind | u64 id | payload
+    Call    := f64 budget_s | u16 count | tensor*       (API -> runner)
+    Result  := u16 count | tensor*                       (runner -> API)
+    Failure := u8 code | f64 retry_after_s | utf-8 text  (runner -> API)
+    Ping, Pong := (empty)
+    tensor  := u8 name_len | name | u8 dtype | u8 ndim | i64 dims[ndim] | pad to 8 | data
+
+Tensor data starts 8-byte aligned within the body so numpy and torch can view it in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from runner.config import DATATYPES
+
+_LENGTH = struct.Struct("<I")
+_HEAD = struct.Struct("<BQ")
+_CALL = struct.Struct("<dH")
+_COUNT = struct.Struct("<H")
+_FAILURE = struct.Struct("<Bd")
+_DTYPES = list(DATATYPES.values())
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+MAX_FRAME = 1 << 31
+
+
+class WireError(ValueError):
+    """A frame that does not follow the format: the connection cannot be trusted further."""
+
+
+class Kind(enum.IntEnum):
+    CALL = 1
+    RESULT = 2
+    FAILURE = 3
+    PING = 4
+    PONG = 5
+
+
+class FailureCode(enum.IntEnum):
+    """Why a runner did not answer a call with tensors; the API maps each to a status."""
+
+    INVALID = 1  # the tensors do not match the runner's signature
+    REFUSED = 2  # the deadline cannot be met: refused at arrival
+    EXPIRED = 3  # the deadline passed while the request was queued
+    MODEL_ERROR = 4  # the model raised
+    STOPPING = 5  # the runner is shutting down
+
+
+Tensors = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    id: int
+    budget_s: float
+    tensors: Tensors
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    id: int
+    tensors: Tensors
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    id: int
+    code: FailureCode
+    message: str
+    retry_after_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    id: int
+
+
+Message = Call | Result | Failure | Ping | Pong
+Chunks = list[bytes | memoryview]
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+def _tensor_chunks(name: str, array: np.ndarray, offset: int, out: Chunks) -> int:
+    """Append one tensor's header, padding and data; return the new body offset."""
+    code = _DTYPE_CODES.get(array.dtype)
+    if code is None:
+        raise WireError(f"tensor {name!r} has dtype {array.dtype}, which the wire cannot carry")
+    encoded = name.encode()
+    header = struct.pack(f"<B{len(encoded)}sBB{array.ndim}q", len(encoded), encoded, code,
+                         array.ndim, *array.shape)
+    offset += len(header)
+    pad = -offset % 8
+    out.append(header + b"\0" * pad)
+    offset += pad
+    data = np.ascontiguousarray(array)
+    out.append(memoryview(data).cast("B"))
+    return offset + data.nbytes
+
+
+def _tensors_chunks(tensors: Tensors, offset: int, out: Chunks) -> None:
+    for name, array in tensors.items():
+        offset = _tensor_chunks(name, array, offset, out)
+
+
+def encode(message: Message) -> Chunks:
+    """A message as a list of buffers for `transport.writelines`, tensor data uncopied."""
+    out: Chunks = [b""]  # replaced by the length prefix and head
+    if isinstance(message, Call):
+        head = _HEAD.pack(Kind.CALL, message.id) + _CALL.pack(message.budget_s,
+                                                               len(message.tensors))
+        _tensors_chunks(message.tensors, len(head), out)
+    elif isinstance(message, Result):
+        head = _HEAD.pack(Kind.RESULT, message.id) + _COUNT.pack(len(message.tensors))
+        _tensors_chunks(message.tensors, len(head), out)
+    elif isinstance(message, Failure):
+        head = _HEAD.pack(Kind.FAILURE, message.id) + _FAILURE.pack(
+            message.code, message.retry_after_s) + message.message.encode()
+    else:
+        head = _HEAD.pack(Kind.PING if isinstance(message, Ping) else Kind.PONG, message.id)
+    size = len(head) + sum(len(chunk) for chunk in out[1:])
+    if size >= MAX_FRAME:
+        raise WireError(f"a frame of {size} bytes exceeds the wire's limit of {MAX_FRAME}")
+    out[0] = _LENGTH.pack(size) + head
+    return out
+
+
+# --- decoding ---------------------------------------------------------------------------------
+
+
+def _read_tensors(body: bytearray, offset: int, count: int) -> Tensors:
+    tensors: Tensors = {}
+    view = memoryview(body)
+    for _ in range(count):
+        name_len = body[offset]
+        name = bytes(body[offset + 1 : offset + 1 + name_len]).decode()
+        offset += 1 + name_len
+        code, ndim = body[offset], body[offset + 1]
+        offset += 2
+        if code >= len(_DTYPES):
+            raise WireError(f"tensor {name!r} has unknown dtype code {code}")
+        shape = struct.unpack_from(f"<{ndim}q", body, offset)
+        offset += 8 * ndim
+        offset += -offset % 8
+        dtype = _DTYPES[code]
+        count_items = int(np.prod(shape, dtype=np.int64)) if ndim else 1
+        end = offset + count_items * dtype.itemsize
+        if min(shape, default=0) < 0 or end > len(body):
+            raise WireError(f"tensor {name!r} with shape {list(shape)} overruns its frame")
+        tensors[name] = np.frombuffer(view[offset:end], dtype=dtype).reshape(shape)
+        offset = end
+    return tensors
+
+
+def decode(body: bytearray) -> Message:
+    """One frame body as a message; tensors are writable views into `body`."""
+    try:
+        kind, ident = _HEAD.unpack_from(body, 0)
+        offset = _HEAD.size
+        if kind == Kind.CALL:
+            budget, count = _CALL.unpack_from(body, offset)
+            return Call(ident, budget, _read_tensors(body, offset + _CALL.size, count))
+        if kind == Kind.RESULT:
+            (count,) = _COUNT.unpack_from(body, offset)
+            return Result(ident, _read_tensors(body, offset + _COUNT.size, count))
+        if kind == Kind.FAILURE:
+            code, retry = _FAILURE.unpack_from(body, offset)
+            text = bytes(body[offset + _FAILURE.size :]).decode(errors="replace")
+            return Failure(ident, FailureCode(code), text, retry)
+        if kind == Kind.PING:
+            return Ping(ident)
+        if kind == Kind.PONG:
+            return Pong(ident)
+    except (struct.error, IndexError, ValueError) as exc:
+        raise WireError(f"malformed frame: {exc}") from None
+    raise WireError(f"unknown frame kind {kind}")
+
+
+class FrameReader:
+    """Cuts a byte stream into frame bodies, however the transport splits it."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[bytearray]:
+        buffer = self._buffer
+        buffer += data
+        start = 0
+        available = len(buffer)
+        while available - start >= 4:
+            (size,) = _LENGTH.unpack_from(buffer, start)
+            if size >= MAX_FRAME:
+                raise WireError(f"a frame announces {size} bytes, over the wire's limit")
+            end = start + 4 + size
+            if end > available:
+                break
+            yield buffer[start + 4 : end]
+            start = end
+        if start:
+            del buffer[:start]
+
+
+# --- addresses --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    """Where a runner listens: `unix:/path/to.sock` or `tcp:host:port`."""
+
+    scheme: str
+    target: str
+
+    @classmethod
+    def parse(cls, text: str) -> Address:
+        scheme, sep, target = text.partition(":")
+        if not sep or scheme not in ("unix", "tcp") or not target:
+            raise ValueError(f"address {text!r} must look like unix:/path or tcp:host:port")
+        if scheme == "tcp":
+            host, _, port = target.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"address {text!r} must look like tcp:host:port")
+        return cls(scheme, target)
+
+    def __str__(self) -> str:
+        return f"{self.scheme}:{self.target}"
+
+    def _host_port(self) -> tuple[str, int]:
+        host, _, port = self.target.rpartition(":")
+        return host, int(port)
+
+    async def serve(self, factory: Callable[[], asyncio.Protocol]) -> asyncio.Server:
+        loop = asyncio.get_running_loop()
+        if self.scheme == "unix":
+            return await loop.create_unix_server(factory, self.target)
+        host, port = self._host_port()
+        return await loop.create_server(factory, host, port)
+
+    async def connect(self, factory: Callable[[], Any]) -> tuple[asyncio.Transport, Any]:
+        loop = asyncio.get_running_loop()
+        if self.scheme == "unix":
+            return await loop.create_unix_connection(factory, self.target)  # type: ignore
+        host, port = self._host_port()
+        return await loop.create_connection(factory, host, port)  # type: ignore
