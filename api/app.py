@@ -120,13 +120,8 @@ class Service:
 
     async def _infer(self, request: Request, runner: RunnerConfig, started: float) -> Response:
         body = await self.body(request)
-        header = request.headers.get("inference-header-content-length")
-        if header is not None and not header.isdigit():
-            raise BadRequest(
-                f"header Inference-Header-Content-Length has value {header!r}; "
-                "expected a byte count"
-            )
-        call = protocol.decode_infer(body, None if header is None else int(header), runner)
+        header = protocol.parse_header_length(request.headers.get(protocol.HEADER_LENGTH))
+        call = protocol.decode_infer(body, header, runner)
         limit = runner.batching.max_latency_ms / 1000
         if call.timeout_s is not None:
             limit = min(limit, call.timeout_s)

@@ -1,0 +1,115 @@
+"""Every error the API tier answers with, each carrying its HTTP status.
+
+    BatchserveError            500  a bug or an unexpected state on the server's side
+    ├── BadRequest             400  malformed body, unknown input, wrong datatype or shape
+    ├── ModelNotFound          404  no runner serves the model named in the URL
+    ├── PayloadTooLarge        413  the body is over `api.max_body_bytes`
+    └── Unavailable            503  try again later; answered with `Retry-After`
+        ├── RunnerUnavailable       the runner process is down, restarting or unreachable
+        └── SloRefused              the runner refused: it cannot answer within its latency limit
+
+Library code raises these; one handler, `error_response`, turns any exception into the
+JSON body `{"error": "..."}` and its headers, so every route answers errors the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import ClassVar
+
+import orjson
+
+__all__ = [
+    "BadRequest",
+    "BatchserveError",
+    "ModelNotFound",
+    "PayloadTooLarge",
+    "RunnerUnavailable",
+    "SloRefused",
+    "Unavailable",
+    "error_response",
+]
+
+
+class BatchserveError(Exception):
+    """Base of the hierarchy; an error that escapes unclassified is the server's fault."""
+
+    status: ClassVar[int] = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(BatchserveError):
+    """The request cannot be served as sent; the message says what was expected."""
+
+    status = 400
+
+
+class ModelNotFound(BatchserveError):
+    status = 404
+
+    def __init__(self, model: str, known: Iterable[str] = ()) -> None:
+        names = ", ".join(sorted(known))
+        hint = f"; known models: {names}" if names else ""
+        super().__init__(f"model {model!r} is not served here{hint}")
+        self.model = model
+
+
+class PayloadTooLarge(BatchserveError):
+    status = 413
+
+    def __init__(self, limit: int, size: int | None = None) -> None:
+        # `size` is unknown while a chunked body is still arriving.
+        got = f"of {size} bytes " if size is not None else ""
+        super().__init__(f"request body {got}exceeds the limit of {limit} bytes")
+        self.limit = limit
+        self.size = size
+
+
+class Unavailable(BatchserveError):
+    """A transient refusal: the client should retry after `retry_after` seconds."""
+
+    status = 503
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RunnerUnavailable(Unavailable):
+    def __init__(self, runner: str, retry_after: float = 1.0) -> None:
+        super().__init__(
+            f"runner {runner!r} is not available (its process is down or restarting); "
+            "retry shortly",
+            retry_after,
+        )
+        self.runner = runner
+
+
+class SloRefused(Unavailable):
+    def __init__(self, runner: str, retry_after: float = 1.0) -> None:
+        super().__init__(
+            f"runner {runner!r} refused the request: it cannot be answered within the "
+            "runner's latency limit; retry later",
+            retry_after,
+        )
+        self.runner = runner
+
+
+_JSON = "application/json"
+
+
+def error_response(exc: BaseException) -> tuple[int, bytes, dict[str, str]]:
+    """Map any exception to (status, JSON body, headers); foreign ones become a bare 500."""
+    if not isinstance(exc, BatchserveError):
+        # Its text may hold internals (paths, reprs); the handler logs it, the client gets none.
+        return 500, b'{"error":"internal server error"}', {"Content-Type": _JSON}
+    body = orjson.dumps({"error": exc.message})
+    headers = {"Content-Type": _JSON}
+    if isinstance(exc, Unavailable):
+        # HTTP wants whole seconds (RFC 9110 §10.2.3); round up so a short wait never says 0.
+        headers["Retry-After"] = str(math.ceil(max(exc.retry_after, 0.0)))
+    return exc.status, body, headers
