@@ -1,0 +1,20 @@
+"""Models that tests serve through real runner processes (copied next to a test config)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+
+def pid_echo(x: np.ndarray) -> dict[str, np.ndarray]:
+    """Echoes its input and tells which runner process served each row."""
+    pids = np.full((x.shape[0], 1), os.getpid(), dtype=np.int64)
+    return {"echo": x, "pid": pids}
+
+
+def slow_echo(x: np.ndarray) -> np.ndarray:
+    """Holds each batch for 300 ms, so requests are surely in flight when a test acts."""
+    time.sleep(0.3)
+    return x

@@ -1,0 +1,113 @@
+"""A bad configuration stops `batchserve` at once with one line naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from runner.config import ConfigError, load
+from tests.conftest import BATCHSERVE, ROOT
+
+GOOD = """
+runners:
+  iris_clf:
+    model: runner.bundled:iris_classifier
+    batching:
+      enabled: true
+      max_batch_size: 100
+      max_latency_ms: 500
+    inputs: [{name: input, datatype: FP32, shape: [-1, 4]}]
+    outputs: [{name: scores, datatype: FP32, shape: [-1, 3]}]
+"""
+
+BAD = {
+    "unknown key": (
+        GOOD.replace("max_batch_size: 100", "max_batch_size: 100\n      max_batch: 3"),
+        "runners.iris_clf.batching.max_batch is not a known key; known keys are: enabled, "
+        "max_batch_size, max_latency_ms",
+    ),
+    "wrong type": (
+        GOOD.replace("max_batch_size: 100", "max_batch_size: lots"),
+        "runners.iris_clf.batching.max_batch_size has value 'lots'; it must be an integer >= 1",
+    ),
+    "negative latency": (
+        GOOD.replace("max_latency_ms: 500", "max_latency_ms: -5"),
+        "runners.iris_clf.batching.max_latency_ms has value -5; it must be a positive number",
+    ),
+    "missing model": (
+        GOOD.replace("    model: runner.bundled:iris_classifier\n", ""),
+        "runners.iris_clf.model is missing",
+    ),
+    "unimportable model": (
+        GOOD.replace("runner.bundled:iris_classifier", "no_such_module:model"),
+        "runners.iris_clf.model has value 'no_such_module:model'; module 'no_such_module' "
+        "cannot be imported (ModuleNotFoundError: No module named 'no_such_module')",
+    ),
+}
+
+
+def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([BATCHSERVE, *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=120, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("command", ["validate", "serve"])
+@pytest.mark.parametrize("kind", list(BAD))
+def test_bad_configuration_exits_with_one_line(tmp_path: Path, kind: str, command: str) -> None:
+    text, message = BAD[kind]
+    path = tmp_path / "configuration.yml"
+    path.write_text(text)
+    args = [command, str(path)] if command == "validate" else [command, "--config", str(path)]
+    result = run(*args, cwd=tmp_path)
+    assert result.returncode == 3
+    assert result.stderr == f"error: {message}\n"
+    assert result.stdout == ""
+
+
+def test_the_bundled_configuration_is_valid() -> None:
+    result = run("validate", cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "configuration.yml: valid (2 runner(s): iris_clf, mlp)\n"
+
+
+def test_the_reference_batching_keys_are_accepted_verbatim(tmp_path: Path) -> None:
+    path = tmp_path / "configuration.yml"
+    path.write_text(GOOD)
+    batching = load(path).runners["iris_clf"].batching
+    assert (batching.enabled, batching.max_batch_size, batching.max_latency_ms) == (True, 100, 500)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("datatype: FP32, shape: [-1, 4]", "datatype: FP8, shape: [-1, 4]"),
+         "runners.iris_clf.inputs[0].datatype has value 'FP8'; it must be one of BOOL, UINT8"),
+        (("shape: [-1, 4]", "shape: [4, -1]"),
+         "runners.iris_clf.batch_dim has value [0, 0]; inputs tensor 'input' with shape [4, -1] "
+         "must have -1 (the batch) at dimension 0"),
+        (("runners:", "api: {port: 70000}\nrunners:"),
+         "api.port has value 70000; it must be a port number from 0 to 65535"),
+        (("max_batch_size: 100", "max_batch_size: 0"),
+         "runners.iris_clf.batching.max_batch_size has value 0; it must be an integer >= 1"),
+        (("enabled: true", "enabled: yes please"),
+         "runners.iris_clf.batching.enabled has value 'yes please'; it must be true or false"),
+    ],
+)
+def test_values_are_checked_with_their_dotted_key(
+    tmp_path: Path, change: tuple[str, str], message: str
+) -> None:
+    path = tmp_path / "configuration.yml"
+    path.write_text(GOOD.replace(*change))
+    with pytest.raises(ConfigError) as raised:
+        load(path)
+    assert str(raised.value).startswith(message)
+
+
+def test_a_missing_file_is_one_clear_line(tmp_path: Path) -> None:
+    result = run("validate", str(tmp_path / "nope.yml"), cwd=tmp_path)
+    assert result.returncode == 3
+    assert result.stderr.startswith("error: cannot read configuration ")
+    assert textwrap.dedent(result.stderr).count("\n") == 1

@@ -1,0 +1,161 @@
+"""End to end: the real `batchserve serve`, real processes, real sockets, real clients."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.http as triton
+from prometheus_client.parser import text_string_to_metric_families
+
+from runner.bundled import iris_classifier, mlp
+from tests.conftest import Server, wait_for
+
+PID_CONFIG = """
+api: {{workers: 2}}
+runners:
+  {name}:
+    model: fixture_models:{model}
+    workers: 2
+    batching: {{max_batch_size: 8, max_latency_ms: {latency}}}
+    inputs: [{{name: x, datatype: FP32, shape: [-1, 4]}}]
+    outputs: [{outputs}]
+"""
+PID_OUTPUTS = "{name: echo, datatype: FP32, shape: [-1, 4]}, {name: pid, datatype: INT64, shape: [-1, 1]}"
+
+
+def mlp_reference(rows: np.ndarray) -> np.ndarray:
+    with torch.inference_mode():
+        return mlp()(torch.from_numpy(rows)).numpy()
+
+
+def histogram(metrics_text: str, name: str, **labels: str) -> dict[str, float]:
+    """The samples of one histogram's series, keyed by suffix and bucket bound."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != name:
+            continue
+        for sample in family.samples:
+            if all(sample.labels.get(k) == v for k, v in labels.items()):
+                suffix = sample.name[len(name):]
+                key = f"{suffix}:{sample.labels['le']}" if "le" in sample.labels else suffix
+                found[key] = sample.value
+    return found
+
+
+def test_iris_scores_as_the_readme_shows(bundled: Server) -> None:
+    rows = [[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]]
+    body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 4], "data": rows}]}
+    with bundled.client() as client:
+        answer = client.post("/v2/models/iris_clf/infer", json=body)
+    assert answer.status_code == 200, answer.text
+    (output,) = answer.json()["outputs"]
+    assert output["name"] == "scores" and output["shape"] == [2, 3]
+    expected = iris_classifier()(np.array(rows, dtype=np.float32))
+    np.testing.assert_allclose(np.array(output["data"]).reshape(2, 3), expected, rtol=1e-6)
+    assert np.argmax(expected, axis=1).tolist() == [0, 2]
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_tritonclient_http_against_the_real_server(bundled: Server, binary: bool) -> None:
+    client = triton.InferenceServerClient(bundled.url.removeprefix("http://"))
+    try:
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("mlp")
+        metadata = client.get_model_metadata("mlp")
+        assert metadata["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 256]}]
+        assert metadata["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 16]}]
+        rows = np.random.default_rng(7).standard_normal((5, 256)).astype(np.float32)
+        tensor = triton.InferInput("x", [5, 256], "FP32")
+        tensor.set_data_from_numpy(rows, binary_data=binary)
+        result = client.infer(
+            "mlp", [tensor], outputs=[triton.InferRequestedOutput("y", binary_data=binary)]
+        )
+        np.testing.assert_allclose(result.as_numpy("y"), mlp_reference(rows), atol=1e-5)
+    finally:
+        client.close()
+
+
+def test_concurrent_requests_form_batches_within_the_cap(bundled: Server) -> None:
+    rows = np.random.default_rng(3).standard_normal((64, 256)).astype(np.float32)
+    start = threading.Barrier(64)
+
+    def one(i: int) -> np.ndarray:
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256],
+                            "data": rows[i].tolist()}]}
+        with bundled.client() as client:
+            start.wait()
+            answer = client.post("/v2/models/mlp/infer", json=body)
+        assert answer.status_code == 200, answer.text
+        return np.array(answer.json()["outputs"][0]["data"], dtype=np.float32)
+
+    with bundled.client() as client:
+        before = histogram(client.get("/metrics").text, "batchserve_adaptive_batch_size",
+                           runner="mlp", method="__call__")
+    with ThreadPoolExecutor(64) as pool:
+        answers = list(pool.map(one, range(64)))
+    np.testing.assert_allclose(np.stack(answers), mlp_reference(rows), atol=1e-5)
+    with bundled.client() as client:
+        after = histogram(client.get("/metrics").text, "batchserve_adaptive_batch_size",
+                          runner="mlp", method="__call__")
+    batches = after["_count"] - before.get("_count", 0)
+    served = after["_sum"] - before.get("_sum", 0)
+    assert served == 64
+    assert batches < 64, "no batch of more than one request formed"
+    over_cap = (after["_bucket:+Inf"] - after["_bucket:64.0"]) - (
+        before.get("_bucket:+Inf", 0) - before.get("_bucket:64.0", 0))
+    assert over_cap == 0
+
+
+def test_requests_reach_every_runner_process(serve: object) -> None:
+    server: Server = serve(PID_CONFIG.format(name="pids", model="pid_echo", latency=1000,  # type: ignore[operator]
+                                             outputs=PID_OUTPUTS), "--api-workers", "2")
+    runner_pids = set()
+    for i in range(40):
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
+                            "data": [i, 0, 0, 0]}]}
+        with server.client() as client:  # a new connection, so either API worker may answer
+            answer = client.post("/v2/models/pids/infer", json=body)
+        assert answer.status_code == 200, answer.text
+        outputs = {o["name"]: o["data"] for o in answer.json()["outputs"]}
+        assert outputs["echo"] == [i, 0, 0, 0]
+        runner_pids.add(outputs["pid"][0])
+    assert runner_pids == set(server.runners())
+
+
+def test_killed_runner_answers_in_flight_requests_and_is_replaced(serve: object) -> None:
+    config = PID_CONFIG.format(name="slow", model="slow_echo", latency=5000,
+                               outputs="{name: y, datatype: FP32, shape: [-1, 4]}")
+    config = config.replace("workers: 2\n", "workers: 1\n")
+    server: Server = serve(config, "--api-workers", "1")  # type: ignore[operator]
+    runners = server.runners()
+    assert len(runners) == 1
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
+    in_flight = threading.Barrier(9)
+
+    def one(_: int) -> tuple[int, str | None]:
+        with server.client() as client:
+            in_flight.wait()
+            answer = client.post("/v2/models/slow/infer", json=body)
+        return answer.status_code, answer.headers.get("retry-after")
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(8)]
+        in_flight.wait()
+        threading.Event().wait(0.15)  # requests are queued or in the 300 ms batch
+        os.kill(runners[0], signal.SIGKILL)
+        answers = [future.result(timeout=5) for future in futures]
+    assert all(status == 503 and retry for status, retry in answers), answers
+
+    def served() -> bool:
+        with server.client() as client:
+            return client.post("/v2/models/slow/infer", json=body).status_code == 200
+
+    wait_for(served, 120, "a replacement runner to serve again")
+    replacements = server.runners()
+    assert len(replacements) == 1 and runners[0] not in replacements
