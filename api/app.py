@@ -27,6 +27,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from api import protocol
 from api.dispatch import Pool, RunnerFailure
@@ -73,102 +74,147 @@ def _failure_error(runner: str, failure: RunnerFailure) -> BatchserveError:
     return BatchserveError(detail.message)
 
 
+def _raw_headers(headers: Mapping[str, str], length: int) -> list[tuple[bytes, bytes]]:
+    raw = [(name.lower().encode("latin-1"), value.encode("latin-1"))
+           for name, value in headers.items()]
+    raw.append((b"content-length", b"%d" % length))
+    return raw
+
+
 class Service:
-    """The routes' state: the configuration and one pool per runner."""
+    """The configuration and one pool per runner, with the inference path over them.
+
+    Inference is a plain ASGI handler, not a Starlette route: it is the one path every
+    request takes, and it skips the routing and middleware layers it does not need.
+    """
 
     def __init__(self, config: Config, addresses: Mapping[str, Sequence[Address]]) -> None:
         self.config = config
         self.pools = {name: Pool(name, addresses.get(name, ())) for name in config.runners}
-        self._metrics = {
+        self._ok = {
             name: (request_duration.labels(name, "200"), requests_total.labels(name, "200"))
             for name in config.runners
         }
 
-    def runner(self, request: Request) -> RunnerConfig:
-        name = request.path_params["name"]
+    def runner(self, name: str, version: str | None = None) -> RunnerConfig:
         runner = self.config.runners.get(name)
-        version = request.path_params.get("version")
         if runner is None or version not in (None, VERSION):
             label = name if version is None else f"{name} version {version}"
             raise ModelNotFound(label, self.config.runners)
         return runner
 
-    async def body(self, request: Request) -> bytes:
-        limit = self.config.api.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise PayloadTooLarge(limit, int(length))
-        if length is not None:
-            return await request.body()
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(limit)
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    async def infer(self, request: Request) -> Response:
+    async def infer(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """POST /v2/models/{name}[/versions/{version}]/infer."""
         started = time.monotonic()
-        runner = self.runner(request)
+        parts = scope["path"].split("/")
+        name = parts[3]
         try:
-            response = await self._infer(request, runner, started)
+            runner = self.runner(name, parts[5] if len(parts) == 7 else None)
+            status, content, headers = 200, *await self._infer(scope, receive, runner, started)
         except Exception as exc:
-            response = self._error(exc)
-        self._observe(runner.name, response.status_code, started)
-        return response
+            if not isinstance(exc, BatchserveError):
+                log.exception("unexpected error answering a request", exc_info=exc)
+            status, content, headers = error_response(exc)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": _raw_headers(headers, len(content))})
+        await send({"type": "http.response.body", "body": content})
+        if name in self._ok:
+            self._observe(name, status, started)
 
-    async def _infer(self, request: Request, runner: RunnerConfig, started: float) -> Response:
-        body = await self.body(request)
-        header = protocol.parse_header_length(request.headers.get(protocol.HEADER_LENGTH))
-        call = protocol.decode_infer(body, header, runner)
+    async def _infer(
+        self, scope: Scope, receive: Receive, runner: RunnerConfig, started: float
+    ) -> tuple[bytes, dict[str, str]]:
+        length = header_length = None
+        for key, value in scope["headers"]:
+            if key == b"content-length":
+                length = value.decode("latin-1")
+            elif key == b"inference-header-content-length":
+                header_length = value.decode("latin-1")
+        body = await self._body(receive, length)
+        call = protocol.decode_infer(body, protocol.parse_header_length(header_length), runner)
         limit = runner.batching.max_latency_ms / 1000
         if call.timeout_s is not None:
             limit = min(limit, call.timeout_s)
         budget = limit - (time.monotonic() - started)
         outputs = await self._call(runner.name, call.inputs, budget)
-        content, headers = protocol.encode_infer(runner.name, call, outputs, runner)
-        return Response(content, headers=headers)
+        return protocol.encode_infer(runner.name, call, outputs, runner)
+
+    async def _body(self, receive: Receive, length: str | None) -> bytes:
+        limit = self.config.api.max_body_bytes
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise PayloadTooLarge(limit, int(length))
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise BadRequest("the client disconnected before sending the whole body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(limit)
+            if not message.get("more_body", False):
+                return chunk if not chunks else b"".join([*chunks, chunk])
+            chunks.append(chunk)
 
     async def _call(self, runner: str, inputs: Tensors, budget: float) -> Tensors:
         if budget <= 0:
             raise Unavailable(f"the request's deadline passed before it reached {runner!r}")
         try:
-            return await asyncio.wait_for(
-                self.pools[runner].infer(inputs, budget), budget + HANG_SLACK_S
-            )
+            async with asyncio.timeout(budget + HANG_SLACK_S):
+                return await self.pools[runner].infer(inputs, budget)
         except RunnerFailure as failure:
             raise _failure_error(runner, failure) from None
         except TimeoutError:
-            raise RunnerUnavailable(runner) from None
+            raise Unavailable(f"runner {runner!r} did not answer in time") from None
 
     def _observe(self, runner: str, status: int, started: float) -> None:
         elapsed = time.monotonic() - started
         if status == 200:
-            duration, count = self._metrics[runner]
+            duration, count = self._ok[runner]
         else:
             code = str(status)
-            duration, count = request_duration.labels(runner, code), requests_total.labels(
-                runner, code
-            )
+            duration = request_duration.labels(runner, code)
+            count = requests_total.labels(runner, code)
         duration.observe(elapsed)
         count.inc()
-
-    @staticmethod
-    def _error(exc: BaseException) -> Response:
-        if not isinstance(exc, BatchserveError):
-            log.exception("unexpected error answering a request", exc_info=exc)
-        status, content, headers = error_response(exc)
-        return Response(content, status, headers=headers)
 
 
 def _json(content: bytes, status: int = 200) -> Response:
     return Response(content, status, media_type="application/json")
 
 
-def create_app(config: Config, addresses: Mapping[str, Sequence[Address]]) -> Starlette:
+def _is_infer(scope: Scope) -> bool:
+    """POST /v2/models/{name}/infer or /v2/models/{name}/versions/{version}/infer."""
+    if scope["type"] != "http" or scope["method"] != "POST":
+        return False
+    parts = scope["path"].split("/")
+    return (
+        len(parts) in (5, 7) and parts[-1] == "infer" and parts[1] == "v2"
+        and parts[2] == "models" and (len(parts) == 5 or parts[4] == "versions")
+    )
+
+
+class App:
+    """The ASGI application: inference on the fast path, everything else through Starlette."""
+
+    def __init__(self, service: Service, routes: Starlette) -> None:
+        self.service = service
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if _is_infer(scope):
+            await self.service.infer(scope, receive, send)
+        else:
+            await self.routes(scope, receive, send)
+
+
+def create_app(config: Config, addresses: Mapping[str, Sequence[Address]]) -> App:
     """The API application over runner processes at `addresses` (runner name -> list)."""
     service = Service(config, addresses)
+
+    def runner_of(request: Request) -> RunnerConfig:
+        return service.runner(request.path_params["name"], request.path_params.get("version"))
 
     async def live(request: Request) -> Response:
         return _json(b"{}")
@@ -181,11 +227,10 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]]) -> St
         return _json(protocol.server_metadata())
 
     async def model_metadata(request: Request) -> Response:
-        return _json(protocol.model_metadata(service.runner(request)))
+        return _json(protocol.model_metadata(runner_of(request)))
 
     async def model_ready(request: Request) -> Response:
-        runner = service.runner(request)
-        up = service.pools[runner.name].ready
+        up = service.pools[runner_of(request).name].ready
         return _json(b'{"ready":true}' if up else b'{"ready":false}', 200 if up else 503)
 
     async def metrics(request: Request) -> Response:
@@ -208,15 +253,15 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]]) -> St
         Route("/metrics", metrics),
         *(Route(base, model_metadata) for base in (model, versioned)),
         *(Route(f"{base}/ready", model_ready) for base in (model, versioned)),
-        *(Route(f"{base}/infer", service.infer, methods=["POST"]) for base in (model, versioned)),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.add_exception_handler(BatchserveError, _handle)
-    return app
+    starlette = Starlette(routes=routes, lifespan=lifespan)
+    starlette.add_exception_handler(BatchserveError, _handle)
+    return App(service, starlette)
 
 
 async def _handle(request: Request, exc: Exception) -> Response:
-    return Service._error(exc)
+    status, content, headers = error_response(exc)
+    return Response(content, status, headers=headers)
 
 
 def _registry() -> CollectorRegistry:

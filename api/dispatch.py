@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from api.errors import Unavailable
 from runner.wire import (
@@ -22,13 +22,13 @@ from runner.wire import (
     FailureCode,
     FrameReader,
     Message,
+    Outbox,
     Ping,
     Pong,
     Result,
     Tensors,
     WireError,
     decode,
-    encode,
 )
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class Link(asyncio.Protocol):
         self.runner = runner
         self.address = address
         self.transport: asyncio.Transport | None = None
+        self.outbox: Outbox | None = None
         self.pending: dict[int, asyncio.Future[Message]] = {}
         self.reader = FrameReader()
         self.next_id = 0
@@ -61,6 +62,7 @@ class Link(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.outbox = Outbox(self.transport)  # type: ignore[arg-type]
         self.reader = FrameReader()
         self.lost.clear()
 
@@ -85,14 +87,20 @@ class Link(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
 
-    def send(self, message_for: type[Call] | type[Ping], *args: object) -> asyncio.Future[Message]:
-        if self.transport is None or self.transport.is_closing():
+    async def call(self, build: Callable[[int], Call | Ping]) -> Message:
+        """Send the message `build` makes for a fresh id and wait for its answer."""
+        if self.outbox is None or not self.connected:
             raise Unavailable(f"runner {self.runner!r} at {self.address} is not connected")
         self.next_id += 1
-        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self.pending[self.next_id] = future
-        self.transport.writelines(encode(message_for(self.next_id, *args)))  # type: ignore
-        return future
+        ident = self.next_id
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Message] = loop.create_future()
+        self.pending[ident] = future
+        self.outbox.put(build(ident))
+        try:
+            return await future
+        finally:  # cancelled by a caller's timeout: forget the call
+            self.pending.pop(ident, None)
 
     async def maintain(self) -> None:
         """Keep this link connected for as long as the task runs."""
@@ -141,7 +149,7 @@ class Pool:
         return links[0] if len(links) == 1 else random.choice(links)
 
     async def infer(self, tensors: Tensors, budget_s: float) -> Tensors:
-        message = await self.pick().send(Call, budget_s, tensors)
+        message = await self.pick().call(lambda ident: Call(ident, budget_s, tensors))
         if isinstance(message, Result):
             return message.tensors
         if isinstance(message, Failure):
@@ -149,7 +157,7 @@ class Pool:
         raise WireError(f"runner {self.runner!r} answered a call with {type(message).__name__}")
 
     async def ping(self) -> None:
-        message = await self.pick().send(Ping)
+        message = await self.pick().call(Ping)
         if not isinstance(message, Pong):
             raise WireError(f"runner {self.runner!r} answered a ping with {message!r}")
 

@@ -41,6 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         access_log=False,
         log_level="warning",
         timeout_graceful_shutdown=5,
+        proxy_headers=False,
     ))
     server.run(sockets=[listener])
     return 0

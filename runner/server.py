@@ -29,13 +29,13 @@ from runner.wire import (
     Failure,
     FailureCode,
     FrameReader,
+    Outbox,
     Ping,
     Pong,
     Result,
     Tensors,
     WireError,
     decode,
-    encode,
 )
 
 log = logging.getLogger("runner")
@@ -72,9 +72,11 @@ class Connection(asyncio.Protocol):
         self.live = live
         self.reader = FrameReader()
         self.transport: asyncio.Transport | None = None
+        self.outbox: Outbox | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.outbox = Outbox(self.transport)  # type: ignore[arg-type]
         self.live.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -110,8 +112,8 @@ class Connection(asyncio.Protocol):
             self._send(Result(ident, result))
 
     def _send(self, message: Result | Failure | Pong) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.writelines(encode(message))
+        if self.transport is not None and self.outbox is not None:
+            self.outbox.put(message)
 
 
 def build_policy(runner: RunnerConfig) -> Policy:

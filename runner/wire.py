@@ -115,7 +115,7 @@ def _tensor_chunks(name: str, array: np.ndarray, offset: int, out: Chunks) -> in
     out.append(header + b"\0" * pad)
     offset += pad
     data = np.ascontiguousarray(array)
-    out.append(memoryview(data).cast("B"))
+    out.append(memoryview(data).cast("B"))  # type: ignore[arg-type]
     return offset + data.nbytes
 
 
@@ -219,6 +219,28 @@ class FrameReader:
             start = end
         if start:
             del buffer[:start]
+
+
+class Outbox:
+    """Messages for one transport, written together once per event-loop turn.
+
+    A batch answers all its requests at once and a busy API worker sends many calls in
+    one turn: gathering them turns N write system calls into one.
+    """
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self._chunks: Chunks = []
+
+    def put(self, message: Message) -> None:
+        if not self._chunks:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._chunks.extend(encode(message))
+
+    def _flush(self) -> None:
+        chunks, self._chunks = self._chunks, []
+        if not self.transport.is_closing():
+            self.transport.writelines(chunks)
 
 
 # --- addresses --------------------------------------------------------------------------------
