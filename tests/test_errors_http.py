@@ -1,0 +1,103 @@
+"""Bad input gets a clear 4xx naming what is wrong; an SLO that cannot be met gets 503."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import Server
+
+ROW = {"name": "x", "datatype": "FP32", "shape": [1, 256], "data": [0.5] * 256}
+
+
+def test_unknown_model_is_404(bundled: Server) -> None:
+    with bundled.client() as client:
+        answer = client.post("/v2/models/nope/infer", json={"inputs": [ROW]})
+        metadata = client.get("/v2/models/nope")
+    assert answer.status_code == 404
+    message = "model 'nope' is not served here; known models: iris_clf, mlp"
+    assert answer.json() == {"error": message}
+    assert metadata.status_code == 404
+
+
+def test_wrong_shape_names_the_input_and_the_expectation(bundled: Server) -> None:
+    bad = {**ROW, "shape": [1, 255], "data": [0.5] * 255}
+    with bundled.client() as client:
+        answer = client.post("/v2/models/mlp/infer", json={"inputs": [bad]})
+    assert answer.status_code == 400
+    assert answer.json()["error"] == "input 'x' has shape [1, 255]; expected [-1, 256]"
+
+
+def test_malformed_body_is_400_and_the_server_keeps_serving(bundled: Server) -> None:
+    with bundled.client() as client:
+        broken = client.post("/v2/models/mlp/infer", content=b'{"inputs": [')
+        assert broken.status_code == 400
+        assert "JSON" in broken.json()["error"]
+        header = client.post("/v2/models/mlp/infer", content=b"{}",
+                             headers={"Inference-Header-Content-Length": "lots"})
+        assert header.status_code == 400
+        assert client.post("/v2/models/mlp/infer", json={"inputs": [ROW]}).status_code == 200
+
+
+def test_a_body_over_the_limit_is_413(serve: object) -> None:
+    config = """
+api: {max_body_bytes: 2000}
+runners:
+  echo:
+    model: fixture_models:slow_echo
+    batching: {max_latency_ms: 2000}
+    inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]
+    outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]
+"""
+    server: Server = serve(config)  # type: ignore[operator]
+    rows = [[1.0, 2.0, 3.0, 4.0]] * 200
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [200, 4], "data": rows}]}
+    with server.client() as client:
+        answer = client.post("/v2/models/echo/infer", json=body)
+    assert answer.status_code == 413
+    assert answer.json()["error"].endswith("exceeds the limit of 2000 bytes")
+
+
+def test_a_deadline_the_model_cannot_meet_is_refused_at_once_with_retry_after(
+    serve: object,
+) -> None:
+    config = """
+runners:
+  slow:
+    model: fixture_models:slow_echo
+    batching: {max_batch_size: 4, max_latency_ms: 100}
+    inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]
+    outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]
+"""
+    server: Server = serve(config)  # type: ignore[operator]
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
+
+    def one(_: int) -> httpx.Response:
+        with server.client() as client:
+            return client.post("/v2/models/slow/infer", json=body)
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(one, range(4)))
+    assert [answer.status_code for answer in answers] == [503] * 4
+    for answer in answers:
+        assert answer.headers["retry-after"].isdigit()
+        assert answer.json()["error"] == (
+            "runner 'slow' refused the request: it cannot be answered within the runner's "
+            "latency limit; retry later"
+        )
+    with server.client() as client:
+        metrics = client.get("/metrics").text
+    # Refused by prediction at arrival: the 300 ms model never ran for these requests.
+    assert sample(metrics, "batchserve_rejections_total", runner="slow", reason="refused") == 4
+    assert sample(metrics, "batchserve_adaptive_batch_size_count", runner="slow") == 0
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """One sample's value from a Prometheus text page, 0 when the series is absent."""
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            if found.name == name and all(found.labels.get(k) == v for k, v in labels.items()):
+                return float(found.value)
+    return 0.0
