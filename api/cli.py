@@ -7,6 +7,7 @@ non-zero exit status (3 for a bad configuration, as uvicorn does for a failed st
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -49,7 +50,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _forward(module: str) -> Callable[[list[str]], int]:
     def run(rest: list[str]) -> int:
-        main: Callable[[list[str]], int] = getattr(__import__(module, fromlist=["main"]), "main")
+        main: Callable[[list[str]], int] = importlib.import_module(module).main
         return main(rest)
 
     return run

@@ -211,7 +211,8 @@ class Supervisor:
             listener.bind((self.host, self.port))
         except OSError as exc:
             listener.close()
-            raise StartupError(f"cannot listen on {self.host}:{self.port}: {exc.strerror}") from None
+            where = f"{self.host}:{self.port}"
+            raise StartupError(f"cannot listen on {where}: {exc.strerror}") from None
         listener.listen(2048)
         listener.set_inheritable(True)
         self.port = listener.getsockname()[1]

@@ -106,5 +106,5 @@ def load(config: Config, runner: RunnerConfig) -> Model:
         )
     is_torch = _torch_module(model)
     if is_torch:
-        model.eval()
+        model.eval()  # type: ignore[union-attr]
     return Model(runner, model, is_torch)

@@ -26,7 +26,9 @@ runners:
     inputs: [{{name: x, datatype: FP32, shape: [-1, 4]}}]
     outputs: [{outputs}]
 """
-PID_OUTPUTS = "{name: echo, datatype: FP32, shape: [-1, 4]}, {name: pid, datatype: INT64, shape: [-1, 1]}"
+PID_OUTPUTS = (
+    "{name: echo, datatype: FP32, shape: [-1, 4]}, {name: pid, datatype: INT64, shape: [-1, 1]}"
+)
 
 
 def mlp_reference(rows: np.ndarray) -> np.ndarray:
