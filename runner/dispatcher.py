@@ -11,9 +11,10 @@ again before the answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
-import os
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,13 +78,14 @@ class _Timer:
 
 
 def _pin_threads(threads: int) -> None:
-    """Pin torch's (and OpenMP's) thread count in the model thread itself."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    try:
-        import torch
-    except ImportError:
-        return
-    torch.set_num_threads(threads)
+    """Pin torch's thread count in the model thread itself: OpenMP binds it per thread.
+
+    Only when the model already imported torch: importing it here would cost a model that
+    does not use it a second of start-up and a few hundred megabytes.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
 
 
 def synthetic_inputs(runner: RunnerConfig, rows: int, seed: int = 0) -> Tensors:
@@ -236,10 +238,13 @@ class Dispatcher:
         parts = [self._jobs[request.id].tensors for request in batch.requests]
         sizes = [request.rows for request in batch.requests]
         future = self._model_thread.submit(self._execute, parts, sizes)
-        loop = self._loop
-        future.add_done_callback(
-            lambda done: loop.call_soon_threadsafe(self._completed, batch, done)
-        )
+        future.add_done_callback(lambda done: self._to_loop(self._completed, batch, done))
+
+    def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
+        """From a worker thread: run `callback` on the loop, unless the runner has stopped."""
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed after a drain
+            self._loop.call_soon_threadsafe(callback, *args)
 
     def _execute(self, parts: list[Tensors], sizes: list[int]) -> _Outcome:
         """On the model thread: join, run, split; errors become an outcome, never a crash."""
@@ -305,9 +310,8 @@ class Dispatcher:
         if job is None:
             return
         self._refitting = True
-        loop = self._loop
         future = self._refit_thread.submit(job)
-        future.add_done_callback(lambda done: loop.call_soon_threadsafe(self._refitted, done))
+        future.add_done_callback(lambda done: self._to_loop(self._refitted, done))
 
     def _refitted(self, done: Future[Any]) -> None:
         self._refitting = False

@@ -1,0 +1,152 @@
+"""The live dispatcher on a real event loop, with a plain numpy model and simple policies."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from runner.config import RunnerConfig, TensorSpec
+from runner.dispatcher import Dispatcher, Rejection
+from runner.metrics import RunnerMetrics
+from runner.models import Model
+from runner.policy import GreedyPolicy, Policy, Request
+from runner.wire import FailureCode, Tensors
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+RUNNER = RunnerConfig(
+    name="double",
+    model="tests:double",
+    inputs=(TensorSpec("x", "FP32", (-1, 2)),),
+    outputs=(TensorSpec("y", "FP32", (-1, 2)),),
+)
+
+
+class Gate:
+    """A model that doubles its input and records batch sizes; it can be held shut."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.open.set()
+        self.batches: list[int] = []
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        self.open.wait(10)
+        self.batches.append(x.shape[0])
+        if np.isnan(x).any():
+            raise ValueError("NaN in the batch")
+        return x * 2
+
+
+def dispatcher(model: Callable[..., object], policy: Policy | None = None,
+               cap: int = 4) -> Dispatcher:
+    runner = RunnerConfig(**{**{f: getattr(RUNNER, f) for f in RUNNER.__slots__},
+                             "batching": type(RUNNER.batching)(True, cap, 1000.0)})
+    return Dispatcher(runner, Model(runner, model, torch=False), policy or GreedyPolicy(cap),
+                      RunnerMetrics("test-dispatcher"))
+
+
+async def ask(d: Dispatcher, rows: np.ndarray, budget: float = 10.0) -> Tensors | Rejection:
+    future: asyncio.Future[Tensors | Rejection] = asyncio.get_running_loop().create_future()
+    d.submit({"x": rows}, budget, future.set_result)
+    return await future
+
+
+def rows(n: int, start: float = 0) -> np.ndarray:
+    return (np.arange(n * 2, dtype=np.float32) + start).reshape(n, 2)
+
+
+async def test_requests_queued_behind_a_batch_go_out_together() -> None:
+    gate = Gate()
+    d = dispatcher(gate)
+    await d.start()
+    gate.open.clear()
+    first = asyncio.ensure_future(ask(d, rows(1)))
+    await asyncio.sleep(0.05)  # the first batch is now held in the model
+    rest = [asyncio.ensure_future(ask(d, rows(1, 10 * i))) for i in range(1, 4)]
+    gate.open.set()
+    answers = await asyncio.gather(first, *rest)
+    for i, answer in enumerate(answers):
+        assert not isinstance(answer, Rejection), answer
+        np.testing.assert_array_equal(answer["y"], rows(1, 10 * i) * 2)
+    assert gate.batches == [1, 3]
+
+
+async def test_a_request_larger_than_the_cap_is_split_and_joined() -> None:
+    gate = Gate()
+    d = dispatcher(gate, cap=4)
+    await d.start()
+    answer = await ask(d, rows(10))
+    assert not isinstance(answer, Rejection)
+    np.testing.assert_array_equal(answer["y"], rows(10) * 2)
+    assert gate.batches == [4, 4, 2] and max(gate.batches) <= 4
+
+
+async def test_a_failing_batch_answers_each_request_and_the_next_batch_runs() -> None:
+    d = dispatcher(Gate())
+    await d.start()
+    failed = await ask(d, np.full((1, 2), np.nan, np.float32))
+    assert isinstance(failed, Rejection) and failed.code == FailureCode.MODEL_ERROR
+    assert failed.message == "the model failed: ValueError: NaN in the batch"
+    ok = await ask(d, rows(2))
+    assert not isinstance(ok, Rejection)
+
+
+async def test_a_request_whose_deadline_passes_in_the_queue_is_expired_unrun() -> None:
+    gate = Gate()
+    d = dispatcher(gate)
+    await d.start()
+    gate.open.clear()
+    held = asyncio.ensure_future(ask(d, rows(1)))
+    await asyncio.sleep(0.05)
+    late = asyncio.ensure_future(ask(d, rows(1, 5), budget=0.01))
+    await asyncio.sleep(0.05)
+    gate.open.set()
+    answer = await late
+    assert isinstance(answer, Rejection) and answer.code == FailureCode.EXPIRED
+    assert not isinstance(await held, Rejection)
+    assert gate.batches == [1]
+
+
+class Refuser(GreedyPolicy):
+    def offer(self, request: Request, now: float) -> bool:
+        return False
+
+
+async def test_a_refused_request_is_answered_at_once_with_a_retry_hint() -> None:
+    gate = Gate()
+    d = dispatcher(gate, Refuser(4))
+    await d.start()
+    answer = await ask(d, rows(1))
+    assert isinstance(answer, Rejection) and answer.code == FailureCode.REFUSED
+    assert answer.retry_after_s > 0 and gate.batches == []
+
+
+async def test_drain_finishes_running_work_and_stops_queued_work() -> None:
+    gate = Gate()
+    d = dispatcher(gate)
+    await d.start()
+    gate.open.clear()
+    running = asyncio.ensure_future(ask(d, rows(1)))
+    await asyncio.sleep(0.05)
+    queued = asyncio.ensure_future(ask(d, rows(1)))
+    await asyncio.sleep(0.01)
+    threading.Timer(0.2, gate.open.set).start()
+    await d.drain(grace_s=0.1)
+    stopped = await queued
+    assert isinstance(stopped, Rejection) and stopped.code == FailureCode.STOPPING
+    after = await ask(d, rows(1))
+    assert isinstance(after, Rejection) and after.code == FailureCode.STOPPING
+    running_answer = await running  # the runner is stopping: even a running batch is answered
+    assert isinstance(running_answer, Rejection) and running_answer.code == FailureCode.STOPPING
+
