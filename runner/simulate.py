@@ -1,0 +1,490 @@
+"""A discrete-event simulator that runs the real policy code against a synthetic model.
+
+`batchserve simulate SCENARIO.yml [--policy adaptive|fixed|none|bentoml] [--window-ms W]
+[--cap N] [--seed S] [--json]` (issue #3). Time is virtual: the policy sees the simulator's
+clock, a batch of n rows takes `(intercept + per_item * n) * lognormal(0, noise)` and Poisson
+traffic is played phase by phase. Arrivals and request sizes come from their own random stream,
+so every policy meets exactly the same requests for a given seed.
+
+A scenario file:
+
+    slo_ms: 100
+    max_batch_size: 64
+    seed: 1
+    cost: {intercept_ms: 5, per_item_ms: 0.5, noise: 0.05}
+    request_size: 1            # or {min: 1, max: 8}
+    phases:
+      - {seconds: 20, rate: 200}
+      - {seconds: 20, rate: 300, cost: {intercept_ms: 10, per_item_ms: 1.0}}
+
+A phase's `cost` overrides the given keys from the phase's start on, for later phases too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runner.policy import Batch, Policy, Request, make_policy
+
+SIM_POLICIES = ("adaptive", "fixed", "none", "bentoml")
+DEFAULT_FIXED_WINDOW_MS = 5.0
+
+
+class ScenarioError(ValueError):
+    """A scenario file is missing a key, has an unknown one, or a value out of range."""
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    intercept_ms: float
+    per_item_ms: float
+    noise: float = 0.0
+
+    def mean_s(self, rows: int) -> float:
+        return (self.intercept_ms + self.per_item_ms * rows) / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    seconds: float
+    rate: float
+    cost: Cost
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    slo_ms: float
+    max_batch_size: int
+    seed: int
+    size_min: int
+    size_max: int
+    phases: tuple[Phase, ...]
+
+    @property
+    def seconds(self) -> float:
+        return sum(phase.seconds for phase in self.phases)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What one run measured; `to_json` gives the keys issue #3 asks for, and more."""
+
+    scenario: str
+    policy: str
+    seconds: float
+    requests: int
+    ok: int
+    rejected: int
+    late: int
+    goodput_rps: float
+    p50_ms: float
+    p99_ms: float
+    mean_batch_size: float
+    false_rejections: int
+    rejected_at_arrival: int
+    reject_wait_p99_ms: float
+    batches: int
+    reasons: dict[str, int] = field(default_factory=dict)
+    refits: int = 0
+    refit_ms_mean: float = 0.0
+    refit_ms_max: float = 0.0
+    wall_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --- scenario files -------------------------------------------------------------------------
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ScenarioError(f"cannot read scenario {str(path)!r}: {exc}") from exc
+    return parse_scenario(data, path.stem)
+
+
+def parse_scenario(data: Any, name: str = "scenario") -> Scenario:
+    top = _mapping(data, name, {"slo_ms", "max_batch_size", "seed", "cost", "request_size",
+                                "phases", "description"})
+    cost = _cost(top.get("cost"), f"{name}.cost", None)
+    size_min, size_max = _request_size(top.get("request_size", 1), f"{name}.request_size")
+    max_batch_size = int(_number(top.get("max_batch_size", 64), f"{name}.max_batch_size", 1))
+    if size_max > max_batch_size:
+        raise ScenarioError(
+            f"{name}.request_size has maximum {size_max}; it must not exceed max_batch_size"
+        )
+    raw_phases = top.get("phases")
+    if not isinstance(raw_phases, list) or not raw_phases:
+        raise ScenarioError(f"{name}.phases has value {raw_phases!r}; it must be a non-empty list")
+    phases = []
+    for index, raw in enumerate(raw_phases):
+        where = f"{name}.phases[{index}]"
+        entry = _mapping(raw, where, {"seconds", "rate", "cost"})
+        if "cost" in entry:
+            cost = _cost(entry["cost"], f"{where}.cost", cost)
+        seconds = _number(entry.get("seconds"), f"{where}.seconds", 0.0, strict=True)
+        rate = _number(entry.get("rate"), f"{where}.rate", 0.0)
+        phases.append(Phase(seconds, rate, cost))
+    return Scenario(
+        name=name,
+        slo_ms=_number(top.get("slo_ms", 100), f"{name}.slo_ms", 0.0, strict=True),
+        max_batch_size=max_batch_size,
+        seed=int(_number(top.get("seed", 1), f"{name}.seed", 0)),
+        size_min=size_min,
+        size_max=size_max,
+        phases=tuple(phases),
+    )
+
+
+def _mapping(value: Any, where: str, allowed: set[str]) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ScenarioError(f"{where} has value {value!r}; it must be a mapping")
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise ScenarioError(f"{where} has unknown key {unknown[0]!r}; known: {sorted(allowed)}")
+    return value
+
+
+def _number(value: Any, where: str, low: float, *, strict: bool = False) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or (strict and value == low):
+        bound = f"greater than {low:g}" if strict else f"at least {low:g}"
+        raise ScenarioError(f"{where} has value {value!r}; it must be a number {bound}")
+    return float(value)
+
+
+def _cost(value: Any, where: str, base: Cost | None) -> Cost:
+    entry = _mapping(value, where, {"intercept_ms", "per_item_ms", "noise"})
+    fields = {} if base is None else asdict(base)
+    for key in ("intercept_ms", "per_item_ms", "noise"):
+        if key in entry:
+            fields[key] = _number(entry[key], f"{where}.{key}", 0.0)
+        elif key != "noise" and base is None:
+            raise ScenarioError(f"{where}.{key} is missing; it must be a number at least 0")
+    return Cost(**fields)
+
+
+def _request_size(value: Any, where: str) -> tuple[int, int]:
+    if isinstance(value, Mapping):
+        entry = _mapping(value, where, {"min", "max"})
+        low = int(_number(entry.get("min"), f"{where}.min", 1))
+        high = int(_number(entry.get("max"), f"{where}.max", low))
+        return low, high
+    size = int(_number(value, where, 1))
+    return size, size
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Trace:
+    """Mutable tallies of one run; turned into a frozen `Result` at the end."""
+
+    latencies: list[float] = field(default_factory=list)
+    late: int = 0
+    refusals: list[tuple[Request, float]] = field(default_factory=list)
+    batch_starts: list[float] = field(default_factory=list)
+    batch_info: list[tuple[float, int, float]] = field(default_factory=list)  # finish, rows, x
+    reasons: Counter[str] = field(default_factory=Counter)
+    refit_s: list[float] = field(default_factory=list)
+
+
+def arrivals(scenario: Scenario, seed: int) -> list[tuple[float, int]]:
+    """Poisson arrival times with their request sizes, phase by phase."""
+    rng = random.Random(seed)
+    out: list[tuple[float, int]] = []
+    start = 0.0
+    low, high = scenario.size_min, scenario.size_max
+    for phase in scenario.phases:
+        end = start + phase.seconds
+        if phase.rate > 0:
+            t = start + rng.expovariate(phase.rate)
+            while t < end:
+                out.append((t, low if low == high else rng.randint(low, high)))
+                t += rng.expovariate(phase.rate)
+        start = end
+    return out
+
+
+def simulate(
+    scenario: Scenario,
+    policy_kind: str = "adaptive",
+    *,
+    seed: int | None = None,
+    policy: Policy | None = None,
+    **policy_kw: Any,
+) -> Result:
+    """Run one policy through one scenario on a virtual clock."""
+    seed = scenario.seed if seed is None else seed
+    slo_s = scenario.slo_ms / 1000.0
+    if policy is None:
+        policy = make_policy(policy_kind, scenario.max_batch_size, slo_s, **policy_kw)
+    noise = random.Random(seed * 7919 + 1)
+    _calibrate(policy, scenario.phases[0].cost, noise)
+    wall = time.perf_counter()
+    trace = _run(policy, arrivals(scenario, seed), scenario, slo_s, noise)
+    return _result(scenario, policy_kind, trace, time.perf_counter() - wall)
+
+
+def _calibrate(policy: Policy, cost: Cost, noise: random.Random) -> None:
+    """Time the policy's calibration sizes before traffic, as the live runner does."""
+    for rows in policy.calibration_sizes():
+        policy.calibrate(rows, cost.mean_s(rows) * noise.lognormvariate(0.0, cost.noise))
+
+
+def _run(
+    policy: Policy,
+    traffic: list[tuple[float, int]],
+    scenario: Scenario,
+    slo_s: float,
+    noise: random.Random,
+) -> _Trace:
+    trace = _Trace()
+    costs = _CostClock(scenario.phases)
+    inf = math.inf
+    count = len(traffic)
+    index = 0
+    running: Batch | None = None
+    started = done_at = inf
+    wake = inf
+    while True:
+        arrival = traffic[index][0] if index < count else inf
+        now = min(arrival, done_at, wake)
+        if now == inf:
+            break
+        if done_at <= arrival and done_at <= wake:
+            assert running is not None
+            policy.complete(running, started, done_at)
+            _answered(trace, running, done_at)
+            running, done_at = None, inf
+            _refit(policy, now, trace)
+        elif arrival <= wake:
+            request = Request(index, traffic[index][1], arrival, arrival + slo_s)
+            index += 1
+            if not policy.offer(request, now):
+                trace.refusals.append((request, now))
+        else:
+            wake = inf
+        step = policy.poll(now)
+        for request in step.expired:
+            trace.refusals.append((request, now))
+        if step.batch is not None:
+            if running is not None:
+                raise RuntimeError("the policy released a batch while one was running")
+            running, started = step.batch, now
+            done_at = now + _duration(costs.at(now), step.batch.rows, noise, trace, now)
+            trace.reasons[step.batch.reason] += 1
+        wake = inf if step.wake_at is None else max(step.wake_at, now + 1e-6)
+    return trace
+
+
+class _CostClock:
+    """The cost in force at a time; times only move forward, so lookups are O(1) amortised."""
+
+    def __init__(self, phases: Sequence[Phase]) -> None:
+        self.ends = list(_cumulative(phase.seconds for phase in phases))
+        self.costs = [phase.cost for phase in phases]
+        self.index = 0
+
+    def at(self, now: float) -> Cost:
+        while self.index < len(self.ends) - 1 and now >= self.ends[self.index]:
+            self.index += 1
+        return self.costs[self.index]
+
+
+def _cumulative(values: Iterable[float]) -> Iterable[float]:
+    total = 0.0
+    for value in values:
+        total += value
+        yield total
+
+
+def _duration(cost: Cost, rows: int, noise: random.Random, trace: _Trace, now: float) -> float:
+    factor = noise.lognormvariate(0.0, cost.noise) if cost.noise > 0 else 1.0
+    seconds = cost.mean_s(rows) * factor
+    trace.batch_starts.append(now)
+    trace.batch_info.append((now + seconds, rows, cost.per_item_ms / 1000.0 * factor))
+    return seconds
+
+
+def _answered(trace: _Trace, batch: Batch, finished: float) -> None:
+    for request in batch.requests:
+        trace.latencies.append(finished - request.arrival)
+        if finished > request.deadline:
+            trace.late += 1
+
+
+def _refit(policy: Policy, now: float, trace: _Trace) -> None:
+    """Run a due refit inline, timing it: the live runner runs the same job on a thread."""
+    job = policy.refit_job(now)
+    if job is None:
+        return
+    began = time.perf_counter()
+    fit = job()
+    trace.refit_s.append(time.perf_counter() - began)
+    policy.apply_fit(fit)
+
+
+# --- measures -------------------------------------------------------------------------------
+
+
+def false_rejections(trace: _Trace, max_batch_size: int) -> int:
+    """Refusals that were not needed: a batch with room for the request started after it
+    arrived and, with the request's rows added, still finished within its deadline."""
+    starts = trace.batch_starts
+    info = trace.batch_info
+    count = 0
+    for request, _ in trace.refusals:
+        i = bisect.bisect_left(starts, request.arrival)
+        while i < len(starts) and starts[i] < request.deadline:
+            finish, rows, per_row = info[i]
+            if rows + request.rows <= max_batch_size and (
+                finish + per_row * request.rows <= request.deadline
+            ):
+                count += 1
+                break
+            i += 1
+    return count
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _result(scenario: Scenario, policy: str, trace: _Trace, wall_s: float) -> Result:
+    answered = len(trace.latencies)
+    waits = [now - request.arrival for request, now in trace.refusals]
+    batches = len(trace.batch_starts)
+    rows = sum(rows for _, rows, _ in trace.batch_info)
+    refit_ms = [seconds * 1000.0 for seconds in trace.refit_s]
+    return Result(
+        scenario=scenario.name,
+        policy=policy,
+        seconds=scenario.seconds,
+        requests=answered + len(trace.refusals),
+        ok=answered,
+        rejected=len(trace.refusals),
+        late=trace.late,
+        goodput_rps=(answered - trace.late) / scenario.seconds,
+        p50_ms=_percentile(trace.latencies, 0.50) * 1000.0,
+        p99_ms=_percentile(trace.latencies, 0.99) * 1000.0,
+        mean_batch_size=rows / batches if batches else 0.0,
+        false_rejections=false_rejections(trace, scenario.max_batch_size),
+        rejected_at_arrival=sum(1 for wait in waits if wait == 0.0),
+        reject_wait_p99_ms=_percentile(waits, 0.99) * 1000.0,
+        batches=batches,
+        reasons=dict(sorted(trace.reasons.items())),
+        refits=len(refit_ms),
+        refit_ms_mean=sum(refit_ms) / len(refit_ms) if refit_ms else 0.0,
+        refit_ms_max=max(refit_ms, default=0.0),
+        wall_s=wall_s,
+    )
+
+
+# --- hindsight grid over fixed settings -----------------------------------------------------
+
+GRID_WINDOWS_MS = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0)
+GRID_CAPS = (8, 16, 24, 32, 48, 64)
+
+
+def grid_search(
+    scenario: Scenario,
+    windows_ms: Sequence[float] = GRID_WINDOWS_MS,
+    caps: Sequence[int] = GRID_CAPS,
+    *,
+    seed: int | None = None,
+) -> list[tuple[float, int, Result]]:
+    """Every fixed (window, cap) pair on the same traffic, best goodput first."""
+    runs = []
+    for window_ms in windows_ms:
+        for cap in caps:
+            if cap > scenario.max_batch_size:
+                continue
+            result = simulate(scenario, "fixed", seed=seed, window_s=window_ms / 1000.0, cap=cap)
+            runs.append((window_ms, cap, result))
+    runs.sort(key=lambda run: (-run[2].goodput_rps, run[2].p99_ms))
+    return runs
+
+
+def best_fixed(scenario: Scenario, *, seed: int | None = None) -> tuple[float, int, Result]:
+    window_ms, cap, result = grid_search(scenario, seed=seed)[0]
+    name = f"fixed({window_ms:g}ms,{cap})"
+    return window_ms, cap, replace(result, policy=name)
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="batchserve simulate",
+        description="Run a batching policy through a traffic scenario on a virtual clock.",
+    )
+    parser.add_argument("scenario", help="a scenario YAML file (see benchmarks/scenarios/)")
+    parser.add_argument("--policy", choices=SIM_POLICIES, default="adaptive")
+    parser.add_argument("--window-ms", type=float, help="window of --policy fixed")
+    parser.add_argument("--cap", type=int, help="batch cap of --policy fixed")
+    parser.add_argument("--seed", type=int, help="override the scenario's seed")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """`batchserve simulate ...`; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    kw: dict[str, Any] = {}
+    if args.policy == "fixed":
+        kw["window_s"] = (DEFAULT_FIXED_WINDOW_MS if args.window_ms is None else args.window_ms)
+        kw["window_s"] /= 1000.0
+        if args.cap is not None:
+            kw["cap"] = args.cap
+    elif args.window_ms is not None or args.cap is not None:
+        parser.error("--window-ms and --cap apply to --policy fixed only")
+    try:
+        scenario = load_scenario(args.scenario)
+        result = simulate(scenario, args.policy, seed=args.seed, **kw)
+    except ValueError as exc:
+        print(f"batchserve simulate: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_json()) if args.json else _describe(result))
+    return 0
+
+
+def _describe(result: Result) -> str:
+    share = 100.0 / result.requests if result.requests else 0.0
+    return "\n".join([
+        f"{result.scenario} · {result.policy} · {result.seconds:g} s simulated",
+        f"requests {result.requests}  ok {result.ok}  rejected {result.rejected} "
+        f"({result.rejected * share:.2f}%)  late {result.late} ({result.late * share:.2f}%)",
+        f"goodput {result.goodput_rps:.1f} req/s  p50 {result.p50_ms:.2f} ms  "
+        f"p99 {result.p99_ms:.2f} ms  mean batch {result.mean_batch_size:.1f}",
+        f"false rejections {result.false_rejections}  refused at arrival "
+        f"{result.rejected_at_arrival}  reasons {result.reasons}",
+        f"refits {result.refits} (mean {result.refit_ms_mean:.2f} ms)  wall {result.wall_s:.2f} s",
+    ])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

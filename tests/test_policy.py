@@ -1,0 +1,233 @@
+"""Policies on a fake clock: every decision is exact, nothing sleeps (issue #3)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner.baselines import BentoMLPolicy, FixedPolicy, NoBatchingPolicy
+from runner.latency_model import Fit
+from runner.policy import (
+    AdaptivePolicy,
+    Batch,
+    GreedyPolicy,
+    Request,
+    Step,
+    best_cap,
+    make_policy,
+)
+
+SLO = 0.1
+
+
+def request(ident: int, at: float, rows: int = 1, slo: float = SLO) -> Request:
+    return Request(ident, rows, at, at + slo)
+
+
+def adaptive(intercept: float = 0.005, slope: float = 0.0005, size: int = 64) -> AdaptivePolicy:
+    policy = AdaptivePolicy(size, SLO)
+    policy.apply_fit(Fit(intercept_s=intercept, slope_s=slope, factor=1.0))
+    return policy
+
+
+def test_low_load_releases_at_once() -> None:
+    policy = adaptive()
+    first = request(1, 0.0)
+    assert policy.offer(first, 0.0)
+    assert policy.poll(0.0) == Step(batch=Batch((first,), "idle"))
+
+
+def test_one_batch_in_flight_and_a_wake_up_at_the_queued_deadline() -> None:
+    policy = adaptive()
+    first, second = request(1, 0.0), request(2, 0.002)
+    policy.offer(first, 0.0)
+    batch = policy.poll(0.0).batch
+    assert batch is not None
+    assert policy.offer(second, 0.002)
+    assert policy.poll(0.002) == Step(wake_at=second.deadline)
+    policy.complete(batch, 0.0, 0.0055)
+    assert policy.poll(0.0055) == Step(batch=Batch((second,), "idle"))
+
+
+def test_refuses_at_arrival_when_the_queue_ahead_makes_it_late() -> None:
+    policy = adaptive(intercept=0.045, slope=0.0, size=2)
+    policy.offer(request(1, 0.0), 0.0)
+    assert policy.poll(0.0).batch is not None  # runs until 0.045
+    assert policy.offer(request(2, 0.01), 0.01)  # next batch: done at 0.09 <= 0.11
+    assert policy.offer(request(3, 0.02), 0.02)  # joins it: 0.09 <= 0.12
+    assert not policy.offer(request(4, 0.03), 0.03)  # a third batch: 0.135 > 0.13
+    assert policy.refused == 1
+    assert policy.stats(0.03).queued == 2
+
+
+def test_a_request_whose_deadline_passes_while_queued_expires_without_compute() -> None:
+    policy = adaptive(intercept=0.05, slope=0.0)
+    policy.offer(request(1, 0.0), 0.0)
+    policy.poll(0.0)
+    late = request(2, 0.0)
+    assert policy.offer(late, 0.0)  # done at 0.1 exactly: admitted
+    assert policy.poll(0.1) == Step(expired=(late,))
+    assert policy.stats(0.1).queued == 0
+
+
+def test_under_load_waits_for_the_window_then_releases() -> None:
+    policy = adaptive()
+    policy.offer(request(0, 0.0), 0.0)
+    first = policy.poll(0.0).batch
+    assert first is not None
+    for i in range(1, 41):  # 1,000 requests a second while the first batch runs
+        assert policy.offer(request(i, i / 1000), i / 1000)
+    policy.complete(first, 0.0, 0.0405)
+    second = policy.poll(0.0405).batch
+    assert second is not None and len(second.requests) == 40 and second.reason == "idle"
+    lone = request(41, 0.041)
+    policy.offer(lone, 0.041)
+    policy.complete(second, 0.0405, 0.0411)
+    step = policy.poll(0.0411)
+    stats = policy.stats(0.0411)
+    assert stats.target_rows > 1 and stats.window_s > 0
+    assert step == Step(wake_at=pytest.approx(lone.arrival + stats.window_s))
+    assert step.wake_at is not None
+    assert policy.poll(step.wake_at) == Step(batch=Batch((lone,), "window"))
+
+
+def test_expired_and_hopeless_requests_never_reach_the_model() -> None:
+    policy = adaptive(intercept=0.01, slope=0.0)
+    policy.offer(request(1, 0.0), 0.0)
+    running = policy.poll(0.0).batch
+    assert running is not None
+    short = request(2, 0.0, slo=0.025)  # done at 0.02: admitted
+    policy.offer(short, 0.0)
+    policy.complete(running, 0.0, 0.018)  # but the model was slow
+    assert policy.poll(0.018) == Step(expired=(short,))  # 0.018 + 0.01 > 0.025
+
+
+def test_best_cap_closed_forms() -> None:
+    assert best_cap(0.005, 0.0005, 1360.0, SLO, 64) == 64
+    assert best_cap(0.01, 0.001, 300.0, SLO, 64) == 59  # keep up: (0.08-0.003)/0.0013
+    assert best_cap(0.01, 0.001, 1000.0, SLO, 64) == 45  # overload: 1000*0.09/2
+    assert best_cap(0.01, 0.001, 1e9, SLO, 64) == 64
+    assert best_cap(0.2, 0.001, 10.0, SLO, 64) == 1
+    assert best_cap(0.005, 0.0, 0.0, SLO, 64) == 64
+
+
+def test_cap_never_exceeds_max_batch_size() -> None:
+    policy = adaptive(intercept=0.001, slope=0.00001, size=8)
+    for i in range(20):
+        policy.offer(request(i, 0.0), 0.0)
+    batch = policy.poll(0.0).batch
+    assert batch is not None and batch.rows == 8 and batch.reason == "full"
+
+
+def drive(policy: AdaptivePolicy, batches: int, seconds: float, start: float = 0.0) -> float:
+    now = start
+    for i in range(batches):
+        policy.offer(request(i, now), now)
+        batch = policy.poll(now).batch
+        assert batch is not None
+        policy.complete(batch, now, now + seconds)
+        now += 0.05
+    return now
+
+
+def test_refit_jobs_come_every_sixteen_batches_and_one_at_a_time() -> None:
+    policy = adaptive()
+    now = drive(policy, 15, 0.005)
+    assert policy.refit_job(now) is None
+    now = drive(policy, 1, 0.005, now)
+    job = policy.refit_job(now)
+    assert job is not None
+    now = drive(policy, 16, 0.005, now)
+    assert policy.refit_job(now) is None  # the first is still running
+    fit = job()
+    assert isinstance(fit, Fit)
+    policy.apply_fit(fit)
+    assert policy.refit_job(now) is not None
+    assert policy.stats(now).intercept_s == fit.intercept_s
+
+
+def test_a_failed_refit_stops_blocking_after_a_while() -> None:
+    policy = adaptive()
+    now = drive(policy, 16, 0.005)
+    assert policy.refit_job(now) is not None  # and never applied
+    now = drive(policy, 16, 0.005, now)
+    assert policy.refit_job(now) is None
+    assert policy.refit_job(now + 10.0) is not None
+
+
+def test_three_slow_batches_in_a_row_trigger_a_refit_at_once() -> None:
+    policy = adaptive()
+    now = drive(policy, 2, 0.011)
+    assert policy.refit_job(now) is None
+    now = drive(policy, 1, 0.011, now)
+    assert policy.refit_job(now) is not None
+
+
+def test_calibration_sizes_and_a_fit_right_after_calibration() -> None:
+    assert AdaptivePolicy(64, SLO).calibration_sizes() == (1, 2, 4, 8, 16, 32, 64) * 2
+    assert AdaptivePolicy(10, SLO).calibration_sizes() == (1, 2, 4, 8, 10) * 2
+    policy = AdaptivePolicy(64, SLO)
+    for rows in policy.calibration_sizes():
+        policy.calibrate(rows, 0.005 + 0.0005 * rows)
+    stats = policy.stats(0.0)
+    assert stats.intercept_s == pytest.approx(0.005, rel=1e-3)
+    assert stats.slope_s == pytest.approx(0.0005, rel=1e-3)
+
+
+def test_make_policy_builds_every_kind_and_names_the_choices() -> None:
+    assert isinstance(make_policy("adaptive", 64, SLO), AdaptivePolicy)
+    assert isinstance(make_policy("fixed", 64, SLO, window_s=0.01, cap=8), FixedPolicy)
+    assert isinstance(make_policy("none", 64, SLO), NoBatchingPolicy)
+    assert isinstance(make_policy("bentoml", 64, SLO), BentoMLPolicy)
+    assert isinstance(make_policy("greedy", 64, SLO), GreedyPolicy)
+    with pytest.raises(ValueError, match="^policy has value 'magic'; it must be one of adaptive"):
+        make_policy("magic", 64, SLO)
+
+
+def test_fixed_releases_at_the_cap_or_after_the_window_and_serves_late_requests() -> None:
+    policy = FixedPolicy(64, SLO, window_s=0.01, cap=2)
+    first, second, third = request(1, 0.0), request(2, 0.005), request(3, 0.2)
+    policy.offer(first, 0.0)
+    assert policy.poll(0.0) == Step(wake_at=0.01)
+    policy.offer(second, 0.005)
+    batch = policy.poll(0.005).batch
+    assert batch == Batch((first, second), "full")
+    policy.offer(third, 0.2)
+    assert policy.poll(0.5) == Step()  # still busy; nothing ever expires
+    policy.complete(batch, 0.005, 0.5)
+    assert policy.poll(0.5) == Step(batch=Batch((third,), "window"))
+
+
+def test_no_batching_serves_one_request_at_a_time() -> None:
+    policy = NoBatchingPolicy(64, SLO)
+    first, second = request(1, 0.0, rows=3), request(2, 0.0)
+    policy.offer(first, 0.0)
+    policy.offer(second, 0.0)
+    assert policy.poll(0.0) == Step(batch=Batch((first,), "full"))
+
+
+def test_bentoml_refuses_the_oldest_when_the_whole_queue_cannot_make_it() -> None:
+    policy = BentoMLPolicy(64, SLO)  # a = 2L/30, b = L/30 before any fit
+    policy.offer(request(1, 0.0), 0.0)
+    assert policy.poll(0.0).batch is not None  # warm-up: out as soon as the model is idle
+    oldest, newest = request(2, 0.0), request(3, 0.0)
+    policy.offer(oldest, 0.0)
+    policy.offer(newest, 0.0)
+    # 0.05 + 2a + b < L: sleep a tick
+    assert policy.poll(0.05) == Step(wake_at=pytest.approx(0.051))
+    assert policy.poll(0.09) == Step(expired=(oldest,), wake_at=pytest.approx(0.091))
+
+
+def test_bentoml_splits_time_evenly_when_every_batch_has_one_item() -> None:
+    policy = BentoMLPolicy(64, SLO)
+    now = 0.0
+    for i in range(20):
+        policy.offer(request(i, now), now)
+        step = policy.poll(now)
+        while step.batch is None:
+            assert step.wake_at is not None
+            now = step.wake_at
+            step = policy.poll(now)
+        policy.complete(step.batch, now, now + 0.006)
+        now += 0.05
+    assert policy.a == pytest.approx(0.003)  # twice the true per-item cost of a 6 ms item
+    assert policy.b == pytest.approx(0.003)
