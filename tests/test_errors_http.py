@@ -101,3 +101,28 @@ def sample(text: str, name: str, **labels: str) -> float:
             if found.name == name and all(found.labels.get(k) == v for k, v in labels.items()):
                 return float(found.value)
     return 0.0
+
+
+def test_a_request_may_shorten_its_own_deadline_with_the_timeout_parameter(
+    serve: object,
+) -> None:
+    config = """
+runners:
+  slow:
+    model: fixture_models:slow_echo
+    batching: {max_batch_size: 4, max_latency_ms: 5000}
+    inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]
+    outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]
+"""
+    server: Server = serve(config)  # type: ignore[operator]
+    tensor = {"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}
+    with server.client() as client:
+        relaxed = client.post("/v2/models/slow/infer", json={"inputs": [tensor]})
+        hurried = client.post("/v2/models/slow/infer", json={
+            "inputs": [tensor], "parameters": {"timeout": 50_000},  # 50 ms, in microseconds
+        })
+        metrics = client.get("/metrics").text
+    assert relaxed.status_code == 200
+    assert hurried.status_code == 503 and hurried.headers["retry-after"].isdigit()
+    assert sample(metrics, "batchserve_rejections_total", runner="slow", reason="refused") == 1
+    assert sample(metrics, "batchserve_adaptive_batch_size_count", runner="slow") == 1
