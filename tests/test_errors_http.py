@@ -9,6 +9,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Server
 
+SLOW = """
+runners:
+  slow:
+    model: fixture_models:slow_echo
+    batching: {{max_batch_size: 4, max_latency_ms: {latency_ms}}}
+    inputs: [{{name: x, datatype: FP32, shape: [-1, 4]}}]
+    outputs: [{{name: y, datatype: FP32, shape: [-1, 4]}}]
+"""
 ROW = {"name": "x", "datatype": "FP32", "shape": [1, 256], "data": [0.5] * 256}
 
 
@@ -63,15 +71,7 @@ runners:
 def test_a_deadline_the_model_cannot_meet_is_refused_at_once_with_retry_after(
     serve: object,
 ) -> None:
-    config = """
-runners:
-  slow:
-    model: fixture_models:slow_echo
-    batching: {max_batch_size: 4, max_latency_ms: 100}
-    inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]
-    outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]
-"""
-    server: Server = serve(config)  # type: ignore[operator]
+    server: Server = serve(SLOW.format(latency_ms=100))  # type: ignore[operator]
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
 
     def one(_: int) -> httpx.Response:
@@ -106,15 +106,7 @@ def sample(text: str, name: str, **labels: str) -> float:
 def test_a_request_may_shorten_its_own_deadline_with_the_timeout_parameter(
     serve: object,
 ) -> None:
-    config = """
-runners:
-  slow:
-    model: fixture_models:slow_echo
-    batching: {max_batch_size: 4, max_latency_ms: 5000}
-    inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]
-    outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]
-"""
-    server: Server = serve(config)  # type: ignore[operator]
+    server: Server = serve(SLOW.format(latency_ms=5000))  # type: ignore[operator]
     tensor = {"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}
     with server.client() as client:
         relaxed = client.post("/v2/models/slow/infer", json={"inputs": [tensor]})
