@@ -10,6 +10,7 @@ import pytest
 from runner.policy import Batch, Request
 from runner.simulate import (
     ScenarioError,
+    _answered,
     _Trace,
     arrivals,
     false_rejections,
@@ -79,19 +80,48 @@ def test_scenario_errors_name_the_dotted_key(change: dict[str, object], message:
         parse_scenario(dict(SMALL, **change), "small")
 
 
+def _batch(trace: _Trace, start: float, finish: float, rows: int, slack: float) -> None:
+    trace.batch_starts.append(start)
+    trace.batch_info.append((finish, rows, 0.0005))
+    trace.batch_slack.append(slack)
+
+
 def test_false_rejection_means_a_batch_with_room_finished_in_time() -> None:
     trace = _Trace()
     refused = Request(1, 1, 0.0, 0.1)
     trace.refusals.append((refused, 0.0))
-    trace.batch_starts.append(0.01)
-    trace.batch_info.append((0.05, 64, 0.0005))  # full: no room
+    _batch(trace, 0.01, 0.05, 64, 0.05)  # full: no room
     assert false_rejections(trace, 64) == 0
-    trace.batch_starts.append(0.05)
-    trace.batch_info.append((0.0998, 10, 0.0005))  # room, but 0.0998 + 0.0005 > 0.1
+    _batch(trace, 0.05, 0.0998, 10, 0.05)  # room, but 0.0998 + 0.0005 > 0.1
     assert false_rejections(trace, 64) == 0
-    trace.batch_starts.append(0.06)
-    trace.batch_info.append((0.09, 10, 0.0005))
+    _batch(trace, 0.1, 0.11, 10, 0.05)  # room, but it starts at the deadline
+    assert false_rejections(trace, 64) == 0
+    early = _Trace()
+    early.refusals.append((refused, 0.0))
+    _batch(early, 0.06, 0.09, 10, 0.05)
+    assert false_rejections(early, 64) == 1
+
+
+def test_a_refusal_is_not_false_if_serving_it_makes_another_answer_late() -> None:
+    trace = _Trace()
+    trace.refusals.append((Request(1, 2, 0.0, 0.1), 0.0))
+    _batch(trace, 0.01, 0.05, 10, 0.0004)  # its own answers have 0.4 ms to spare: 1 ms is late
+    assert false_rejections(trace, 64) == 0
+    trace.batch_slack[0] = 0.05
+    _batch(trace, 0.05, 0.08, 10, 0.0002)  # back to back: the 1 ms slip reaches it in full
+    assert false_rejections(trace, 64) == 0
+    trace.batch_starts[1] = 0.0509  # 0.9 ms idle gap absorbs all but 0.1 ms of the slip
     assert false_rejections(trace, 64) == 1
+
+
+def test_slack_counts_only_answers_that_were_on_time() -> None:
+    trace = _Trace()
+    late, on_time = Request(1, 1, 0.0, 0.04), Request(2, 1, 0.0, 0.06)
+    trace.batch_starts.append(0.0)
+    trace.batch_info.append((0.05, 2, 0.0005))
+    _answered(trace, Batch((late, on_time), "idle"), 0.05)
+    assert trace.late == 1
+    assert trace.batch_slack == [pytest.approx(0.01)]
 
 
 def test_grid_search_puts_the_best_goodput_first() -> None:
