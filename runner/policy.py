@@ -156,6 +156,10 @@ class GreedyPolicy:
         pass
 
 
+HOLD_MIN_ARRIVALS = 2.0
+"""A hold is worth it only if at least this many requests are expected to arrive during it;
+at lower rates the batch goes out at once, so low load never waits."""
+
 SHIFT_RUN = 3
 """Batches in a row slower than the predicted high quantile that mean the cost has changed
 (by chance this happens once in a million batches at a 99% quantile): old samples are then
@@ -191,6 +195,9 @@ class AdaptivePolicy:
         rate_tau_s: float = 0.1,
         refit_every: int = 16,
         refit_period_s: float = 0.25,
+        refit_rows: int = 64,
+        hold_share: float = 0.05,
+        hold_intercepts: float = 10.0,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size has value {max_batch_size}; it must be at least 1")
@@ -207,6 +214,9 @@ class AdaptivePolicy:
         self.calibration_repeats = calibration_repeats
         self.refit_every = refit_every
         self.refit_period_s = refit_period_s
+        self.refit_rows = refit_rows
+        self.hold_share = hold_share
+        self.hold_intercepts = hold_intercepts
         self._last_refit = -math.inf
         self.cap = max_batch_size
         self.window_s = 0.0
@@ -224,6 +234,7 @@ class AdaptivePolicy:
         self._admitted_now = RateEstimator(rate_tau_s / 5.0)  # sees a step within milliseconds
         self._queue_wait_s = 0.0
         self._fresh = 0
+        self._fresh_rows = 0
         self._surprises = 0
         self._shifted = False
         self._pending_since: float | None = None
@@ -265,6 +276,7 @@ class AdaptivePolicy:
         rows = batch.rows
         self.model.add(rows, elapsed)
         self._fresh += 1
+        self._fresh_rows += rows
         self._surprises = self._surprises + 1 if elapsed > self._fit.high(rows) else 0
         if self._surprises >= SHIFT_RUN:
             self.model.forget_before(SHIFT_RUN)
@@ -301,12 +313,17 @@ class AdaptivePolicy:
         if pending is not None and now - pending < STALE_JOB_S:
             return None
         # A refit costs milliseconds of CPU: at small batches, every 16 batches would be many
-        # a second. Wait for both enough new batches and enough time, unless the cost shifted.
-        due = self._fresh >= self.refit_every and now - self._last_refit >= self.refit_period_s
+        # a second. Wait for enough new batches, rows and time, so that refits stay a small
+        # share of the work served, unless the cost shifted (a run of slow batches).
+        due = (
+            self._fresh >= self.refit_every
+            and self._fresh_rows >= self.refit_rows
+            and now - self._last_refit >= self.refit_period_s
+        )
         if not due and not (self._shifted and self._fresh > 0):
             return None
         self._last_refit = now
-        self._fresh = 0
+        self._fresh = self._fresh_rows = 0
         self._shifted = False
         self._pending_since = now
         return partial(fit_samples, self.model.snapshot())
@@ -363,6 +380,20 @@ class AdaptivePolicy:
         intercept = self._fit.intercept_s
         self.target_rows = rows_rate * intercept
         self.window_s = max(0.0, intercept - 1.0 / request_rate) if request_rate > 0 else 0.0
+        hold = self.hold_s(intercept)
+        if request_rate * hold >= HOLD_MIN_ARRIVALS and hold > self.window_s:
+            self.window_s = hold
+            self.target_rows = max(self.target_rows, rows_rate * hold)
+
+    def hold_s(self, intercept_s: float) -> float:
+        """How long, under load, a batch may wait to amortise its fixed cost.
+
+        Each batch costs the machine more than its measured time: the wake-ups of the model
+        thread, the event loop and the API workers it answers, on cores those share. Under
+        load a short hold, a small slice of the latency limit and a few intercepts at most,
+        gathers batches large enough to amortise that (docs/dispatcher.md, "Release").
+        """
+        return min(self.hold_share * self.max_latency_s, self.hold_intercepts * intercept_s)
 
     # --- decisions ------------------------------------------------------------------------
 

@@ -90,6 +90,47 @@ def test_under_load_waits_for_the_window_then_releases() -> None:
     assert policy.poll(step.wake_at) == Step(batch=Batch((lone,), "window"))
 
 
+def steady(policy: AdaptivePolicy, rate: float, seconds: float) -> list[tuple[float, Batch]]:
+    """Poisson-free steady arrivals; the model answers each batch the moment it is released."""
+    released = []
+    for ident in range(int(rate * seconds)):
+        now = ident / rate
+        policy.offer(request(ident, now), now)
+        step = policy.poll(now)
+        if step.batch is not None:
+            released.append((now, step.batch))
+            policy.complete(step.batch, now, now)
+    return released
+
+
+def test_the_hold_is_a_slice_of_the_limit_or_a_few_intercepts_whichever_is_less() -> None:
+    policy = adaptive()
+    assert policy.hold_s(0.0005) == pytest.approx(0.005)  # 10 intercepts = 5 % of 100 ms
+    assert policy.hold_s(0.0002) == pytest.approx(0.002)  # 10 intercepts
+    assert policy.hold_s(0.005) == pytest.approx(0.005)  # 5 % of the limit
+
+
+def test_under_load_a_short_hold_gathers_batches_that_amortise_their_fixed_cost() -> None:
+    policy = adaptive(intercept=0.0005, slope=0.00007)
+    released = steady(policy, rate=1600, seconds=1.0)
+    later = [(now, batch) for now, batch in released if now > 0.5]
+    assert policy.stats(1.0).window_s == pytest.approx(0.005)
+    assert policy.stats(1.0).target_rows == pytest.approx(8, rel=0.02)  # 5 ms at 1,600/s
+    # A batch leaves once it holds the target (a rate estimate a hair over or under 8)...
+    assert {len(batch.requests) for _, batch in later} <= {8, 9}
+    assert {batch.reason for _, batch in later} <= {"idle", "window"}
+    # ...and its oldest request never waited past the hold.
+    assert all(now - batch.requests[0].arrival <= 0.005 + 1e-9 for now, batch in later)
+
+
+def test_at_low_load_nothing_is_held() -> None:
+    policy = adaptive(intercept=0.0005, slope=0.00007)
+    released = steady(policy, rate=100, seconds=2.0)  # 100 * 5 ms = 0.5 arrivals per hold
+    assert len(released) == 200
+    assert all(len(batch.requests) == 1 and batch.requests[0].arrival == now
+               for now, batch in released)
+
+
 def test_expired_and_hopeless_requests_never_reach_the_model() -> None:
     policy = adaptive(intercept=0.01, slope=0.0)
     policy.offer(request(1, 0.0), 0.0)
@@ -118,10 +159,12 @@ def test_cap_never_exceeds_max_batch_size() -> None:
     assert batch is not None and batch.rows == 8 and batch.reason == "full"
 
 
-def drive(policy: AdaptivePolicy, batches: int, seconds: float, start: float = 0.0) -> float:
+def drive(
+    policy: AdaptivePolicy, batches: int, seconds: float, start: float = 0.0, rows: int = 1
+) -> float:
     now = start
     for i in range(batches):
-        policy.offer(request(i, now), now)
+        policy.offer(request(i, now, rows), now)
         batch = policy.poll(now).batch
         assert batch is not None
         policy.complete(batch, now, now + seconds)
@@ -129,27 +172,43 @@ def drive(policy: AdaptivePolicy, batches: int, seconds: float, start: float = 0
     return now
 
 
-def test_refit_jobs_come_every_sixteen_batches_and_one_at_a_time() -> None:
+def test_refit_jobs_need_sixteen_batches_64_rows_and_a_quarter_second() -> None:
     policy = adaptive()
-    now = drive(policy, 15, 0.005)
-    assert policy.refit_job(now) is None
-    now = drive(policy, 1, 0.005, now)
-    job = policy.refit_job(now)
+    now = drive(policy, 15, 0.005, start=1.0, rows=5)  # a batch of 5 rows every 50 ms
+    assert policy.refit_job(now) is None  # 15 batches
+    now = drive(policy, 1, 0.005, now, rows=5)
+    job = policy.refit_job(now)  # 16 batches, 80 rows, and the first refit
     assert job is not None
-    now = drive(policy, 16, 0.005, now)
-    assert policy.refit_job(now) is None  # the first is still running
+    now = drive(policy, 4, 0.005, now, rows=20)  # 80 rows, but 4 batches
     fit = job()
     assert isinstance(fit, Fit)
     policy.apply_fit(fit)
+    assert policy.refit_job(now) is None
+    now = drive(policy, 12, 0.005, now, rows=1)  # 16 batches, 92 rows, 0.8 s
     assert policy.refit_job(now) is not None
     assert policy.stats(now).intercept_s == fit.intercept_s
 
 
+def test_at_low_load_refits_wait_for_64_new_rows() -> None:
+    policy = adaptive()
+    now = drive(policy, 63, 0.005, start=1.0)  # one row a batch
+    assert policy.refit_job(now) is None
+    assert policy.refit_job(drive(policy, 1, 0.005, now)) is not None
+
+
+def test_a_second_refit_waits_while_the_first_runs() -> None:
+    policy = adaptive()
+    now = drive(policy, 16, 0.005, start=1.0, rows=10)
+    assert policy.refit_job(now) is not None
+    now = drive(policy, 40, 0.005, now, rows=10)  # 2 s and 400 rows later, never applied
+    assert policy.refit_job(now) is None
+
+
 def test_a_failed_refit_stops_blocking_after_a_while() -> None:
     policy = adaptive()
-    now = drive(policy, 16, 0.005)
+    now = drive(policy, 16, 0.005, rows=4)
     assert policy.refit_job(now) is not None  # and never applied
-    now = drive(policy, 16, 0.005, now)
+    now = drive(policy, 16, 0.005, now, rows=4)
     assert policy.refit_job(now) is None
     assert policy.refit_job(now + 10.0) is not None
 
