@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -164,7 +165,7 @@ def _read_tensors(body: bytearray, offset: int, count: int) -> Tensors:
         offset += 8 * ndim
         offset += -offset % 8
         dtype = _DTYPES[code]
-        count_items = int(np.prod(shape, dtype=np.int64)) if ndim else 1
+        count_items = math.prod(shape)
         end = offset + count_items * dtype.itemsize
         if min(shape, default=0) < 0 or end > len(body):
             raise WireError(f"tensor {name!r} with shape {list(shape)} overruns its frame")
