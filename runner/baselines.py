@@ -13,29 +13,11 @@ the same way.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from typing import Any
 
-from runner.policy import Batch, PolicyStats, Reason, Request, Step
+from runner.policy import Batch, PolicyStats, Reason, Request, Step, WithoutModel
 
 
-class _NoModel:
-    """The calibration and refit part of the contract, for policies without a latency model."""
-
-    def calibration_sizes(self) -> tuple[int, ...]:
-        return ()
-
-    def calibrate(self, rows: int, seconds: float) -> None:
-        pass
-
-    def refit_job(self, now: float) -> Callable[[], Any] | None:
-        return None
-
-    def apply_fit(self, fit: Any) -> None:
-        pass
-
-
-class FixedPolicy(_NoModel):
+class FixedPolicy(WithoutModel):
     """Release at `cap` rows or once the oldest request has waited `window_s`."""
 
     def __init__(
@@ -103,7 +85,7 @@ WARMUP_GREEDY = 10
 WARMUP_TARGETS = (1, 2, 3)
 
 
-class BentoMLPolicy(_NoModel):
+class BentoMLPolicy(WithoutModel):
     """BentoML's adaptive dispatcher rule (REFERENCE.md, "Its rule, step by step").
 
     Counts jobs (requests), not rows, as BentoML does. One deviation: a request that does not

@@ -105,7 +105,23 @@ class Policy(Protocol):
     def apply_fit(self, fit: Any) -> None: ...
 
 
-class GreedyPolicy:
+class WithoutModel:
+    """The calibration and refit part of the contract, for policies without a latency model."""
+
+    def calibration_sizes(self) -> tuple[int, ...]:
+        return ()
+
+    def calibrate(self, rows: int, seconds: float) -> None:
+        pass
+
+    def refit_job(self, now: float) -> Callable[[], Any] | None:
+        return None
+
+    def apply_fit(self, fit: Any) -> None:
+        pass
+
+
+class GreedyPolicy(WithoutModel):
     """Release whatever is queued, up to the cap, as soon as the model is free.
 
     The floor every other policy is measured against: it never waits and never refuses
@@ -142,18 +158,6 @@ class GreedyPolicy:
 
     def stats(self, now: float) -> PolicyStats:
         return PolicyStats(0.0, self.cap, 0.0, 0.0, 0.0, 0.0, len(self.queue))
-
-    def calibration_sizes(self) -> tuple[int, ...]:
-        return ()
-
-    def calibrate(self, rows: int, seconds: float) -> None:
-        pass
-
-    def refit_job(self, now: float) -> Callable[[], Any] | None:
-        return None
-
-    def apply_fit(self, fit: Any) -> None:
-        pass
 
 
 HOLD_MIN_ARRIVALS = 2.0
