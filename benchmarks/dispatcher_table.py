@@ -17,7 +17,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from runner.simulate import Result, Scenario, best_fixed, load_scenario, simulate
+from runner.scenario import Scenario, load_scenario
+from runner.simulate import Result, best_fixed, simulate
 
 HERE = Path(__file__).parent
 CAPACITY_BASE = "load_80"

@@ -6,7 +6,7 @@
 - `BentoMLPolicy`: BentoML's dispatcher rule as read in its source and written down in
   ../shared/REFERENCE.md, re-implemented here as an honest baseline.
 
-All honour the same contract as `runner.policy.AdaptivePolicy`, so the simulator drives them
+All honour the same contract as `runner.adaptive.AdaptivePolicy`, so the simulator drives them
 the same way.
 """
 

@@ -6,18 +6,7 @@ clock, a batch of n rows takes `(intercept + per_item * n) * lognormal(0, noise)
 traffic is played phase by phase. Arrivals and request sizes come from their own random stream,
 so every policy meets exactly the same requests for a given seed.
 
-A scenario file:
-
-    slo_ms: 100
-    max_batch_size: 64
-    seed: 1
-    cost: {intercept_ms: 5, per_item_ms: 0.5, noise: 0.05}
-    request_size: 1            # or {min: 1, max: 8}
-    phases:
-      - {seconds: 20, rate: 200}
-      - {seconds: 20, rate: 300, cost: {intercept_ms: 10, per_item_ms: 1.0}}
-
-A phase's `cost` overrides the given keys from the phase's start on, for later phases too.
+Scenario files are read and checked by `runner.scenario`.
 """
 
 from __future__ import annotations
@@ -30,53 +19,15 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from runner.policy import Batch, Policy, Request, make_policy
+from runner.scenario import Cost, Phase, Scenario, load_scenario
 
 SIM_POLICIES = ("adaptive", "fixed", "none", "bentoml")
 DEFAULT_FIXED_WINDOW_MS = 5.0
-
-
-class ScenarioError(ValueError):
-    """A scenario file is missing a key, has an unknown one, or a value out of range."""
-
-
-@dataclass(frozen=True, slots=True)
-class Cost:
-    intercept_ms: float
-    per_item_ms: float
-    noise: float = 0.0
-
-    def mean_s(self, rows: int) -> float:
-        return (self.intercept_ms + self.per_item_ms * rows) / 1000.0
-
-
-@dataclass(frozen=True, slots=True)
-class Phase:
-    seconds: float
-    rate: float
-    cost: Cost
-
-
-@dataclass(frozen=True, slots=True)
-class Scenario:
-    name: str
-    slo_ms: float
-    max_batch_size: int
-    seed: int
-    size_min: int
-    size_max: int
-    phases: tuple[Phase, ...]
-
-    @property
-    def seconds(self) -> float:
-        return sum(phase.seconds for phase in self.phases)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,89 +57,6 @@ class Result:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# --- scenario files -------------------------------------------------------------------------
-
-
-def load_scenario(path: str | Path) -> Scenario:
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ScenarioError(f"cannot read scenario {str(path)!r}: {exc}") from exc
-    return parse_scenario(data, path.stem)
-
-
-def parse_scenario(data: Any, name: str = "scenario") -> Scenario:
-    top = _mapping(data, name, {"slo_ms", "max_batch_size", "seed", "cost", "request_size",
-                                "phases", "description"})
-    cost = _cost(top.get("cost"), f"{name}.cost", None)
-    size_min, size_max = _request_size(top.get("request_size", 1), f"{name}.request_size")
-    max_batch_size = int(_number(top.get("max_batch_size", 64), f"{name}.max_batch_size", 1))
-    if size_max > max_batch_size:
-        raise ScenarioError(
-            f"{name}.request_size has maximum {size_max}; it must not exceed max_batch_size"
-        )
-    raw_phases = top.get("phases")
-    if not isinstance(raw_phases, list) or not raw_phases:
-        raise ScenarioError(f"{name}.phases has value {raw_phases!r}; it must be a non-empty list")
-    phases = []
-    for index, raw in enumerate(raw_phases):
-        where = f"{name}.phases[{index}]"
-        entry = _mapping(raw, where, {"seconds", "rate", "cost"})
-        if "cost" in entry:
-            cost = _cost(entry["cost"], f"{where}.cost", cost)
-        seconds = _number(entry.get("seconds"), f"{where}.seconds", 0.0, strict=True)
-        rate = _number(entry.get("rate"), f"{where}.rate", 0.0)
-        phases.append(Phase(seconds, rate, cost))
-    return Scenario(
-        name=name,
-        slo_ms=_number(top.get("slo_ms", 100), f"{name}.slo_ms", 0.0, strict=True),
-        max_batch_size=max_batch_size,
-        seed=int(_number(top.get("seed", 1), f"{name}.seed", 0)),
-        size_min=size_min,
-        size_max=size_max,
-        phases=tuple(phases),
-    )
-
-
-def _mapping(value: Any, where: str, allowed: set[str]) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ScenarioError(f"{where} has value {value!r}; it must be a mapping")
-    unknown = sorted(set(value) - allowed)
-    if unknown:
-        raise ScenarioError(f"{where} has unknown key {unknown[0]!r}; known: {sorted(allowed)}")
-    return value
-
-
-def _number(value: Any, where: str, low: float, *, strict: bool = False) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < low or (strict and value == low):
-        bound = f"greater than {low:g}" if strict else f"at least {low:g}"
-        raise ScenarioError(f"{where} has value {value!r}; it must be a number {bound}")
-    return float(value)
-
-
-def _cost(value: Any, where: str, base: Cost | None) -> Cost:
-    entry = _mapping(value, where, {"intercept_ms", "per_item_ms", "noise"})
-    fields = {} if base is None else asdict(base)
-    for key in ("intercept_ms", "per_item_ms", "noise"):
-        if key in entry:
-            fields[key] = _number(entry[key], f"{where}.{key}", 0.0)
-        elif key != "noise" and base is None:
-            raise ScenarioError(f"{where}.{key} is missing; it must be a number at least 0")
-    return Cost(**fields)
-
-
-def _request_size(value: Any, where: str) -> tuple[int, int]:
-    if isinstance(value, Mapping):
-        entry = _mapping(value, where, {"min", "max"})
-        low = int(_number(entry.get("min"), f"{where}.min", 1))
-        high = int(_number(entry.get("max"), f"{where}.max", low))
-        return low, high
-    size = int(_number(value, where, 1))
-    return size, size
 
 
 # --- the run --------------------------------------------------------------------------------

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from runner.adaptive import AdaptivePolicy, best_cap
 from runner.baselines import BentoMLPolicy, FixedPolicy, NoBatchingPolicy
 from runner.latency_model import Fit
-from runner.policy import (
-    AdaptivePolicy,
-    Batch,
-    GreedyPolicy,
-    Request,
-    Step,
-    best_cap,
-    make_policy,
-)
+from runner.policy import Batch, GreedyPolicy, Request, Step, make_policy
 
 SLO = 0.1
 

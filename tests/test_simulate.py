@@ -8,16 +8,14 @@ from pathlib import Path
 import pytest
 
 from runner.policy import Batch, Request
+from runner.scenario import ScenarioError, load_scenario, parse_scenario
 from runner.simulate import (
-    ScenarioError,
     _answered,
     _Trace,
     arrivals,
     false_rejections,
     grid_search,
-    load_scenario,
     main,
-    parse_scenario,
     simulate,
 )
 

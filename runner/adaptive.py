@@ -1,0 +1,342 @@
+"""The adaptive batching policy: the product the baselines are measured against.
+
+Deadline-aware admission, a bounded hold under load and a closed-form cap, all driven by the
+latency model in `runner.latency_model` (issue #3, docs/dispatcher.md). It honours the contract
+in `runner.policy` and is built by name through `runner.policy.make_policy("adaptive", ...)`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from runner.latency_model import Fit, LatencyModel, RateEstimator, fit_samples
+from runner.policy import Batch, PolicyStats, Reason, Request, Step
+
+HOLD_MIN_ARRIVALS = 2.0
+"""A hold is worth it only if at least this many requests are expected to arrive during it;
+at lower rates the batch goes out at once, so low load never waits."""
+
+SHIFT_RUN = 3
+"""Batches in a row slower than the predicted high quantile that mean the cost has changed
+(by chance this happens once in a million batches at a 99% quantile): old samples are then
+dropped and a refit is due at once."""
+
+STALE_JOB_S = 10.0
+"""A refit handed out and never applied (the job failed) stops blocking the next after this."""
+
+WAIT_MEMORY = 0.05
+"""Weight of the newest request in the moving average of queue wait."""
+
+
+class AdaptivePolicy:
+    """Deadline-aware adaptive batching driven by a latency model (issue #3, docs/dispatcher.md).
+
+    - admits a request only if its predicted high-quantile completion meets its deadline;
+    - releases at once unless fewer rows are queued than arrive during one batch intercept
+      (`target_rows`), in which case it waits at most `window_s`, and never so long that the
+      earliest deadline in the queue is put at risk;
+    - caps a batch at the size that maximises the rate of answers within the deadline.
+    """
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_latency_s: float,
+        *,
+        quantile_k: float = 3.0,
+        sample_window: int = 128,
+        half_life: float = 32.0,
+        calibration_weight: float = 0.1,
+        calibration_repeats: int = 2,
+        rate_tau_s: float = 0.1,
+        refit_every: int = 16,
+        refit_period_s: float = 0.25,
+        refit_rows: int = 64,
+        hold_share: float = 0.05,
+        hold_intercepts: float = 10.0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size has value {max_batch_size}; it must be at least 1")
+        if max_latency_s <= 0:
+            raise ValueError(f"max_latency_s has value {max_latency_s}; it must be positive")
+        self.max_batch_size = max_batch_size
+        self.max_latency_s = max_latency_s
+        self.model = LatencyModel(
+            window=sample_window,
+            half_life=half_life,
+            calibration_weight=calibration_weight,
+            quantile_k=quantile_k,
+        )
+        self.calibration_repeats = calibration_repeats
+        self.refit_every = refit_every
+        self.refit_period_s = refit_period_s
+        self.refit_rows = refit_rows
+        self.hold_share = hold_share
+        self.hold_intercepts = hold_intercepts
+        self._last_refit = -math.inf
+        self.cap = max_batch_size
+        self.window_s = 0.0
+        self.target_rows = 0.0
+        self.refused = 0
+        self._queue: deque[Request] = deque()
+        self._queued_rows = 0
+        self._held_cap = 0
+        self._running: Batch | None = None
+        self._done_mean = 0.0
+        self._running_mean_s = 0.0
+        self._request_rate = RateEstimator(rate_tau_s)
+        self._row_rate = RateEstimator(rate_tau_s)
+        self._admitted_rate = RateEstimator(rate_tau_s)  # rows/s; refused rows never join
+        self._admitted_now = RateEstimator(rate_tau_s / 5.0)  # sees a step within milliseconds
+        self._queue_wait_s = 0.0
+        self._fresh = 0
+        self._fresh_rows = 0
+        self._surprises = 0
+        self._shifted = False
+        self._pending_since: float | None = None
+        self._use(Fit())
+
+    # --- the contract ---------------------------------------------------------------------
+
+    def offer(self, request: Request, now: float) -> bool:
+        self._request_rate.add(now)
+        self._row_rate.add(now, request.rows)
+        if self.promise(request.rows, now) > request.deadline:
+            self.refused += 1
+            return False
+        self._queue.append(request)
+        self._queued_rows += request.rows
+        self._admitted_rate.add(now, request.rows)
+        self._admitted_now.add(now, request.rows)
+        if self.cap > self._held_cap:
+            self._held_cap = self.cap
+        return True
+
+    def poll(self, now: float) -> Step:
+        expired = self._expire_head(now)
+        queue = self._queue
+        if self._running is not None:
+            return Step(expired=expired, wake_at=queue[0].deadline if queue else None)
+        if not queue:
+            return Step(expired=expired)
+        self._retune(now)
+        reason, wake_at = self._decide(now)
+        if reason is None:
+            return Step(expired=expired, wake_at=wake_at)
+        batch, dropped = self._take(now, reason)
+        return Step(batch=batch, expired=expired + dropped)
+
+    def complete(self, batch: Batch, started: float, finished: float) -> None:
+        self._running = None
+        elapsed = finished - started
+        rows = batch.rows
+        self.model.add(rows, elapsed)
+        self._fresh += 1
+        self._fresh_rows += rows
+        self._surprises = self._surprises + 1 if elapsed > self._fit.high(rows) else 0
+        if self._surprises >= SHIFT_RUN:
+            self.model.forget_before(SHIFT_RUN)
+            self._shifted = True
+            self._surprises = 0
+
+    def stats(self, now: float) -> PolicyStats:
+        fit = self._fit
+        return PolicyStats(
+            window_s=self.window_s,
+            cap=self.cap,
+            intercept_s=fit.intercept_s,
+            slope_s=fit.slope_s,
+            p99_batch_s=fit.high(self.cap),
+            arrival_rps=self._request_rate.rate(now),
+            queued=len(self._queue),
+            queue_wait_s=self._queue_wait_s,
+            target_rows=self.target_rows,
+            spread=fit.spread,
+        )
+
+    def calibration_sizes(self) -> tuple[int, ...]:
+        sizes = sorted({min(2**i, self.max_batch_size) for i in range(32)})
+        return tuple(sizes) * self.calibration_repeats
+
+    def calibrate(self, rows: int, seconds: float) -> None:
+        # Before the runner is ready nothing is latency-critical, so fit inline: the first
+        # request then meets a well-posed model even if no refit has run yet.
+        self.model.add_calibration(rows, seconds)
+        self.apply_fit(fit_samples(self.model.snapshot()))
+
+    def refit_job(self, now: float) -> Callable[[], Any] | None:
+        pending = self._pending_since
+        if pending is not None and now - pending < STALE_JOB_S:
+            return None
+        # A refit costs milliseconds of CPU: at small batches, every 16 batches would be many
+        # a second. Wait for enough new batches, rows and time, so that refits stay a small
+        # share of the work served, unless the cost shifted (a run of slow batches).
+        due = (
+            self._fresh >= self.refit_every
+            and self._fresh_rows >= self.refit_rows
+            and now - self._last_refit >= self.refit_period_s
+        )
+        if not due and not (self._shifted and self._fresh > 0):
+            return None
+        self._last_refit = now
+        self._fresh = self._fresh_rows = 0
+        self._shifted = False
+        self._pending_since = now
+        return partial(fit_samples, self.model.snapshot())
+
+    def apply_fit(self, fit: Any) -> None:
+        self._pending_since = None
+        self._use(fit)
+
+    # --- predictions ----------------------------------------------------------------------
+
+    def promise(self, rows: int, now: float) -> float:
+        """Predicted (high-quantile) completion of `rows` joining the back of the queue now.
+
+        O(1): the queue ahead is served in batches of the current cap, and the request's own
+        batch also takes the rows that will arrive before it starts (FIFO: they join it).
+        """
+        b, a = self._mean_b, self._mean_a
+        if self._running is not None:
+            start = self._done_mean if self._done_mean > now else now
+            variance = self._running_mean_s * self._running_mean_s
+        else:
+            start = now + self.window_s
+            variance = 0.0
+        cap = self.cap
+        full, rest = divmod(self._queued_rows + rows, cap)
+        if rest == 0:
+            full, rest = full - 1, cap
+        batch_s = b + a * cap
+        ahead = full * batch_s
+        variance += full * batch_s * batch_s
+        rate = max(self._admitted_rate.rate(now), self._admitted_now.rate(now))
+        joining = rate * (start + ahead - now)
+        own_s = b + a * min(cap, rest + joining)
+        variance += own_s * own_s
+        # Batch noise is independent from batch to batch: margins add in quadrature.
+        return start + ahead + own_s + self._margin * math.sqrt(variance)
+
+    def _use(self, fit: Fit) -> None:
+        self.model.fit = fit
+        self._fit = fit
+        self._high_b = fit.intercept_s * fit.factor
+        self._high_a = fit.slope_s * fit.factor
+        self._mean_b = fit.intercept_s
+        self._mean_a = fit.slope_s
+        self._margin = fit.factor - 1.0
+
+    def _retune(self, now: float) -> None:
+        """Cap, target and window from the fit and the arrival rate (closed forms, O(1))."""
+        rows_rate = self._row_rate.rate(now)
+        request_rate = self._request_rate.rate(now)
+        self.cap = best_cap(
+            self._high_b, self._high_a, rows_rate, self.max_latency_s, self.max_batch_size
+        )
+        intercept = self._fit.intercept_s
+        self.target_rows = rows_rate * intercept
+        self.window_s = max(0.0, intercept - 1.0 / request_rate) if request_rate > 0 else 0.0
+        hold = self.hold_s(intercept)
+        if request_rate * hold >= HOLD_MIN_ARRIVALS and hold > self.window_s:
+            self.window_s = hold
+            self.target_rows = max(self.target_rows, rows_rate * hold)
+
+    def hold_s(self, intercept_s: float) -> float:
+        """How long, under load, a batch may wait to amortise its fixed cost.
+
+        Each batch costs the machine more than its measured time: the wake-ups of the model
+        thread, the event loop and the API workers it answers, on cores those share. Under
+        load a short hold, a small slice of the latency limit and a few intercepts at most,
+        gathers batches large enough to amortise that (docs/dispatcher.md, "Release").
+        """
+        return min(self.hold_share * self.max_latency_s, self.hold_intercepts * intercept_s)
+
+    # --- decisions ------------------------------------------------------------------------
+
+    def _expire_head(self, now: float) -> tuple[Request, ...]:
+        queue = self._queue
+        if not queue or queue[0].deadline > now:
+            return ()
+        expired = []
+        while queue and queue[0].deadline <= now:
+            request = queue.popleft()
+            self._queued_rows -= request.rows
+            expired.append(request)
+        return tuple(expired)
+
+    def _decide(self, now: float) -> tuple[Reason | None, float | None]:
+        """Release now (with why), or the time by which to look again."""
+        rows = self._queued_rows
+        if rows >= self.cap:
+            return ("full" if self.cap >= self.max_batch_size else "cap"), None
+        if rows >= self.target_rows or self.window_s <= 0.0:
+            return "idle", None
+        window_end = self._queue[0].arrival + self.window_s
+        size = min(self.cap, max(rows, math.ceil(self.target_rows)))
+        latest = min(r.deadline for r in self._queue) - (self._high_b + self._high_a * size)
+        if now >= latest:
+            return "deadline", None
+        if now >= window_end:
+            return "window", None
+        return None, min(window_end, latest)
+
+    def _take(self, now: float, reason: Reason) -> tuple[Batch | None, tuple[Request, ...]]:
+        """Pop a batch FIFO up to the cap, dropping requests that would surely be late in it."""
+        queue = self._queue
+        limit = self.cap
+        if self._queued_rows > limit and self._held_cap > limit:
+            # Requests were admitted on the promise of a larger cap: keep it until they are out.
+            limit = self._held_cap
+        intercept, slope = self._fit.intercept_s, self._fit.slope_s
+        taken: list[Request] = []
+        dropped: list[Request] = []
+        rows = 0
+        wait = self._queue_wait_s
+        while queue:
+            request = queue[0]
+            if taken and rows + request.rows > limit:
+                break
+            queue.popleft()
+            self._queued_rows -= request.rows
+            if request.deadline < now + intercept + slope * (rows + request.rows):
+                dropped.append(request)
+                continue
+            taken.append(request)
+            rows += request.rows
+            wait += WAIT_MEMORY * (now - request.arrival - wait)
+        self._queue_wait_s = wait
+        if self._queued_rows <= self.cap:
+            self._held_cap = self.cap
+        if not taken:
+            return None, tuple(dropped)
+        batch = Batch(tuple(taken), reason)
+        self._running = batch
+        self._running_mean_s = intercept + slope * rows
+        self._done_mean = now + self._running_mean_s
+        return batch, tuple(dropped)
+
+
+def best_cap(
+    intercept_s: float, slope_s: float, rows_per_s: float, max_latency_s: float, limit: int
+) -> int:
+    """The batch size that maximises answers within the deadline, for a line `b + a*n`.
+
+    Rows arriving while a batch of n runs (rate * (b + a*n) of them) wait for it and then for
+    their own batch. While they can all be served, the cap is the largest n with
+    `(b + a*n) + (b + a*rate*(b + a*n)) <= L`. In overload, bigger batches serve more per second
+    but only requests arriving in the last `L - (b + a*n)` seconds of a batch make the next
+    one, which fills it when `n = rate * (L - b - a*n)`. The larger of the two, in [1, limit].
+    Derivation in docs/dispatcher.md.
+    """
+    b, a, rate, latency = intercept_s, slope_s, rows_per_s, max_latency_s
+    if a > 0.0:
+        keep_up = (latency - 2.0 * b - a * rate * b) / (a * (1.0 + a * rate))
+    else:
+        keep_up = float(limit)
+    overload = rate * (latency - b) / (1.0 + rate * a)
+    best = max(keep_up, overload, 1.0)
+    return limit if best >= limit else int(best)
