@@ -1,10 +1,11 @@
 """Open Inference Protocol v2 (KServe / Triton REST) codec: request bodies in, response bodies out.
 
+This module owns the request and response documents: their framing, their fields and
+parameters, which inputs and outputs the runner's signature allows, and the metadata endpoints.
+What one tensor holds (its datatype, shape and data) is read and checked by `api.tensors`.
 Decoding is strict: every way a request can disagree with the runner's signature is a
-`BadRequest` that names the input and what was expected. Tensor data never passes through a
-per-element Python loop: JSON lists go through `np.asarray`, binary tensors become
-`np.frombuffer` views into the request body (zero copy, read-only), and outputs are written by
-orjson or appended as raw bytes.
+`BadRequest` that names the input and what was expected. Outputs are written by orjson or
+appended as raw bytes.
 
 The binary tensor data extension (what `tritonclient.http` sends with `binary_data=True`): the
 HTTP header `Inference-Header-Content-Length: N` says the first N bytes of the body are the JSON
@@ -16,17 +17,28 @@ which is little-endian on every platform batchserve targets (x86-64, arm64).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 import numpy as np
 import orjson
 
-from api.errors import BadRequest, BatchserveError
-from runner.config import DATATYPES, RunnerConfig, TensorSpec
+from api.errors import BadRequest
+from api.tensors import (
+    HEADER_LENGTH,
+    MISSING,
+    BinaryData,
+    check_datatype,
+    check_shape,
+    from_binary,
+    from_json,
+    output_array,
+    shape_text,
+    show,
+)
+from runner.config import RunnerConfig, TensorSpec
 
 __all__ = [
     "BINARY_TYPE",
@@ -42,17 +54,12 @@ __all__ = [
     "server_metadata",
 ]
 
-HEADER_LENGTH: Final = "Inference-Header-Content-Length"
 JSON_TYPE: Final = "application/json"
 BINARY_TYPE: Final = "application/octet-stream"
 # batchserve serves one version of each model; metadata and responses say so consistently.
 MODEL_VERSION: Final = "1"
 
 _EMPTY: Mapping[str, Any] = {}
-_MISSING: Final = object()
-# numpy kinds that `np.asarray` may infer from JSON data, accepted for each kind of datatype.
-_ACCEPTED_KINDS = {"f": "fiu", "i": "iu", "u": "iu", "b": "b"}
-_KIND_WORDS = {"f": "numbers", "i": "integers", "u": "integers", "b": "booleans (true/false)"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,16 +134,6 @@ def _signature(runner: RunnerConfig) -> _Signature:
 # --- small readers of JSON values ---------------------------------------------------------------
 
 
-def _show(value: Any) -> str:
-    """A value quoted for an error message, cut short: it may be a whole tensor."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _shape_text(shape: tuple[int, ...] | list[int]) -> str:
-    return "[" + ", ".join(map(str, shape)) + "]"
-
-
 # `where` below is a str.format template for the error message, filled in only on failure:
 # formatting it for every tensor of every request would cost more than the check itself.
 
@@ -146,7 +143,7 @@ def _object(value: Any, where: str, *args: Any) -> Mapping[str, Any]:
         return _EMPTY
     if not isinstance(value, dict):
         place = where.format(*args)
-        raise BadRequest(f"{place} has value {_show(value)}; expected a JSON object")
+        raise BadRequest(f"{place} has value {show(value)}; expected a JSON object")
     return value
 
 
@@ -154,24 +151,24 @@ def _flag(params: Mapping[str, Any], key: str, default: bool, where: str, *args:
     value = params.get(key, default)
     if not isinstance(value, bool):
         place = where.format(*args)
-        raise BadRequest(f"{place}.{key} has value {_show(value)}; expected true or false")
+        raise BadRequest(f"{place}.{key} has value {show(value)}; expected true or false")
     return value
 
 
 def _name(item: Any, where: str, *args: Any) -> str:
     if not isinstance(item, dict):
         place = where.format(*args)
-        raise BadRequest(f"{place} has value {_show(item)}; expected a JSON object with a name")
+        raise BadRequest(f"{place} has value {show(item)}; expected a JSON object with a name")
     name = item.get("name")
     if not isinstance(name, str):
         place = where.format(*args)
-        raise BadRequest(f"{place}.name has value {_show(name)}; expected a string")
+        raise BadRequest(f"{place}.name has value {show(name)}; expected a string")
     return name
 
 
 def _request_id(value: Any) -> str | None:
     if value is not None and not isinstance(value, str):
-        raise BadRequest(f"id has value {_show(value)}; expected a string")
+        raise BadRequest(f"id has value {show(value)}; expected a string")
     return value
 
 
@@ -182,7 +179,7 @@ def _timeout(params: Mapping[str, Any]) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise BadRequest(
-            f"parameters.timeout has value {_show(value)}; expected a non-negative integer "
+            f"parameters.timeout has value {show(value)}; expected a non-negative integer "
             "number of microseconds"
         )
     return value / 1e6 if value else None
@@ -193,43 +190,14 @@ def parse_header_length(value: str | None) -> int | None:
     if value is None:
         return None
     if not (value.isascii() and value.strip().isdigit()):
-        raise BadRequest(f"{HEADER_LENGTH} has value {_show(value)}; expected a byte count")
+        raise BadRequest(f"{HEADER_LENGTH} has value {show(value)}; expected a byte count")
     return int(value)
 
 
-# --- binary tensor data -------------------------------------------------------------------------
+# --- splitting off binary tensor data -----------------------------------------------------------
 
 
-class _Binary:
-    """The body after the JSON header, handed out to binary inputs in order."""
-
-    __slots__ = ("body", "start", "cursor")
-
-    def __init__(self, body: bytes, start: int) -> None:
-        self.body = body
-        self.start = start
-        self.cursor = start
-
-    def take(self, name: str, size: int) -> int:
-        offset = self.cursor
-        if offset + size > len(self.body):
-            raise BadRequest(
-                f"input {name!r} needs {size} bytes of binary data at offset "
-                f"{offset - self.start}, but only {len(self.body) - offset} remain"
-            )
-        self.cursor = offset + size
-        return offset
-
-    def check_used(self) -> None:
-        unused = len(self.body) - self.cursor
-        if unused:
-            raise BadRequest(
-                f"the request has {len(self.body) - self.start} bytes of binary data after its "
-                f"JSON header; its inputs use {self.cursor - self.start}"
-            )
-
-
-def _split(body: bytes, header_length: int | None) -> tuple[Any, _Binary | None]:
+def _split(body: bytes, header_length: int | None) -> tuple[Any, BinaryData | None]:
     if header_length is None:
         return body, None
     if header_length < 0 or header_length > len(body):
@@ -237,173 +205,14 @@ def _split(body: bytes, header_length: int | None) -> tuple[Any, _Binary | None]
             f"{HEADER_LENGTH} is {header_length}; expected at most the body's {len(body)} bytes"
         )
     # A memoryview slice spares copying the header; orjson reads it in place.
-    return memoryview(body)[:header_length], _Binary(body, header_length)
-
-
-def _from_binary(
-    spec: TensorSpec, shape: tuple[int, ...], size: Any, binary: _Binary | None
-) -> np.ndarray:
-    name = spec.name
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise BadRequest(
-            f"input {name!r} has binary_data_size {_show(size)}; expected a byte count"
-        )
-    count = math.prod(shape)
-    expected = count * spec.dtype.itemsize
-    if size != expected:
-        raise BadRequest(
-            f"input {name!r} has binary_data_size {size}; expected {expected} bytes "
-            f"for shape {_shape_text(shape)} of {spec.datatype}"
-        )
-    if binary is None:
-        raise BadRequest(
-            f"input {name!r} has parameters.binary_data_size, but the request has no "
-            f"{HEADER_LENGTH} header to delimit its binary data"
-        )
-    offset = binary.take(name, size)
-    if count == 0:
-        return np.zeros(shape, spec.dtype)
-    array = np.frombuffer(binary.body, spec.dtype, count, offset).reshape(shape)
-    if spec.datatype == "BOOL" and array.view(np.uint8).max() > 1:
-        raise BadRequest(f"input {name!r} has BOOL bytes other than 0 and 1")
-    return array
-
-
-# --- JSON tensor data ---------------------------------------------------------------------------
-
-
-def _limits(dtype: np.dtype[Any]) -> tuple[float, float] | None:
-    if dtype.kind == "f":
-        info = np.finfo(dtype)
-        return float(info.min), float(info.max)
-    if dtype.kind in "iu":
-        bounds = np.iinfo(dtype)
-        return bounds.min, bounds.max
-    return None
-
-
-_LIMITS = {name: _limits(dtype) for name, dtype in DATATYPES.items()}
-
-
-def _from_json(spec: TensorSpec, shape: tuple[int, ...], data: Any) -> np.ndarray:
-    name = spec.name
-    if data is _MISSING:
-        raise BadRequest(
-            f"input {name!r} has neither 'data' nor parameters.binary_data_size; expected one"
-        )
-    if not isinstance(data, list):
-        raise BadRequest(f"input {name!r} has data {_show(data)}; expected a list")
-    try:
-        raw = np.asarray(data)
-    except ValueError:
-        raise BadRequest(
-            f"input {name!r} has nested data of uneven lengths; expected a flat list or "
-            f"lists nested as its shape {_shape_text(shape)}"
-        ) from None
-    count = math.prod(shape)
-    if raw.size != count:
-        raise BadRequest(
-            f"input {name!r} has {raw.size} data elements; its shape {_shape_text(shape)} "
-            f"needs {count}"
-        )
-    if raw.ndim != 1 and raw.shape != shape:
-        raise BadRequest(
-            f"input {name!r} has data nested as {_shape_text(raw.shape)}; expected a flat list "
-            f"or lists nested as its shape {_shape_text(shape)}"
-        )
-    if raw.dtype.kind == "O" or (raw.dtype.kind == "f" and spec.dtype.kind in "iu"):
-        raw = _big_integers(spec, data)
-    return _convert(spec, raw).reshape(shape)
-
-
-def _big_integers(spec: TensorSpec, data: list[Any]) -> np.ndarray:
-    """Read integers numpy cannot type: beyond 64 bits (object) or either side of 2**63 (float).
-
-    A rare path, or an error path (floats for an integer input, null, mixed types), so a
-    per-element check is affordable here.
-    """
-    items = np.asarray(data, dtype=object)
-    if spec.dtype.kind == "b" or not all(type(item) is int for item in items.flat):
-        raise _wrong_kind(spec)
-    target = {"f": np.float64, "u": np.uint64}.get(spec.dtype.kind)
-    if target is None:  # signed: these values lie beyond INT64, so beyond every signed type
-        raise _out_of_range(spec)
-    try:
-        return items.astype(target)  # _convert then checks the range of the input's dtype
-    except OverflowError:
-        raise _out_of_range(spec) from None
-
-
-def _wrong_kind(spec: TensorSpec) -> BadRequest:
-    return BadRequest(
-        f"input {spec.name!r} has data that are not all {_KIND_WORDS[spec.dtype.kind]}; "
-        f"expected {spec.datatype} values"
-    )
-
-
-def _out_of_range(spec: TensorSpec) -> BadRequest:
-    low, high = _LIMITS[spec.datatype] or (0, 0)
-    return BadRequest(
-        f"input {spec.name!r} has values outside the range of {spec.datatype} [{low:g}, {high:g}]"
-    )
-
-
-def _convert(spec: TensorSpec, raw: np.ndarray) -> np.ndarray:
-    """Cast parsed JSON data to the input's dtype, refusing other kinds and lossy ranges."""
-    dtype = spec.dtype
-    if raw.dtype == dtype or raw.size == 0:
-        return raw.astype(dtype, copy=False)
-    if raw.dtype.kind not in _ACCEPTED_KINDS[dtype.kind]:
-        raise _wrong_kind(spec)
-    limits = _LIMITS[spec.datatype]
-    # JSON integers (int64/uint64) always fit FP32 and FP64; everything else may not.
-    exact = raw.dtype.kind in "iu" and dtype.kind == "f" and dtype.itemsize >= 4
-    if limits is not None and not exact and (raw.min() < limits[0] or raw.max() > limits[1]):
-        raise _out_of_range(spec)
-    return raw.astype(dtype)
+    return memoryview(body)[:header_length], BinaryData(body, header_length)
 
 
 # --- decoding a request -------------------------------------------------------------------------
 
 
-def _fits(shape: tuple[int, ...] | list[int], pattern: tuple[int, ...]) -> bool:
-    """Whether `shape` matches a signature shape, where -1 matches any size."""
-    # Plain loops here: the all()/any() generator form costs a microsecond per request.
-    if len(shape) != len(pattern):
-        return False
-    for got, want in zip(shape, pattern, strict=True):
-        if want != got and want != -1:
-            return False
-    return True
-
-
-def _check_shape(spec: TensorSpec, value: Any) -> tuple[int, ...]:
-    if type(value) is not list:
-        _bad_shape(spec, value)
-    for dim in value:
-        if type(dim) is not int or dim < 0:
-            _bad_shape(spec, value)
-    if not _fits(value, spec.shape):
-        _bad_shape(spec, value)
-    return tuple(value)
-
-
-def _bad_shape(spec: TensorSpec, value: Any) -> NoReturn:
-    plain = isinstance(value, list) and all(type(dim) is int for dim in value)
-    shape = _shape_text(value) if plain else _show(value)
-    raise BadRequest(f"input {spec.name!r} has shape {shape}; expected {_shape_text(spec.shape)}")
-
-
-def _check_datatype(spec: TensorSpec, value: Any) -> None:
-    if value == spec.datatype:
-        return
-    shown = value if isinstance(value, str) else _show(value)
-    note = " (BYTES tensors are not supported)" if value == "BYTES" else ""
-    raise BadRequest(f"input {spec.name!r} has datatype {shown}; expected {spec.datatype}{note}")
-
-
 def _decode_input(
-    item: Any, index: int, signature: _Signature, runner: RunnerConfig, binary: _Binary | None
+    item: Any, index: int, signature: _Signature, runner: RunnerConfig, binary: BinaryData | None
 ) -> tuple[str, np.ndarray]:
     name = _name(item, "inputs[{}]", index)
     spec = signature.inputs.get(name)
@@ -412,27 +221,27 @@ def _decode_input(
             f"input {name!r} is not an input of model {runner.name!r}; expected one of: "
             + ", ".join(signature.inputs)
         )
-    _check_datatype(spec, item.get("datatype"))
-    shape = _check_shape(spec, item.get("shape"))
+    check_datatype(spec, item.get("datatype"))
+    shape = check_shape(spec, item.get("shape"))
     params = _object(item.get("parameters"), "input {!r} parameters", name)
     if "shared_memory_region" in params:
         raise BadRequest(f"input {name!r} uses shared memory, which batchserve does not support")
     size = params.get("binary_data_size")
     if size is None:
-        return name, _from_json(spec, shape, item.get("data", _MISSING))
+        return name, from_json(spec, shape, item.get("data", MISSING))
     if "data" in item:
         raise BadRequest(
             f"input {name!r} has both 'data' and parameters.binary_data_size; expected one"
         )
-    return name, _from_binary(spec, shape, size, binary)
+    return name, from_binary(spec, shape, size, binary)
 
 
 def _decode_inputs(
-    value: Any, signature: _Signature, runner: RunnerConfig, binary: _Binary | None
+    value: Any, signature: _Signature, runner: RunnerConfig, binary: BinaryData | None
 ) -> dict[str, np.ndarray]:
     if not isinstance(value, list) or not value:
         raise BadRequest(
-            f"inputs has value {_show(value)}; expected a non-empty list of tensors "
+            f"inputs has value {show(value)}; expected a non-empty list of tensors "
             "{name, datatype, shape, data}"
         )
     given: dict[str, np.ndarray] = {}
@@ -447,7 +256,7 @@ def _decode_inputs(
         missing = next(spec for spec in runner.inputs if spec.name not in given)
         raise BadRequest(
             f"input {missing.name!r} is missing; model {runner.name!r} needs it as "
-            f"{missing.datatype} with shape {_shape_text(missing.shape)}"
+            f"{missing.datatype} with shape {shape_text(missing.shape)}"
         )
     # The signature's order, so the runner can frame and concatenate without looking names up.
     return {name: given[name] for name in signature.inputs}
@@ -476,7 +285,7 @@ def _decode_outputs(
     if value is None or value == []:
         return signature.all_outputs[binary_default]
     if not isinstance(value, list):
-        raise BadRequest(f"outputs has value {_show(value)}; expected a list of {{name}}")
+        raise BadRequest(f"outputs has value {show(value)}; expected a list of {{name}}")
     requested: dict[str, RequestedOutput] = {}
     for index, item in enumerate(value):
         name = _name(item, "outputs[{}]", index)
@@ -498,7 +307,7 @@ def _decode_outputs(
     return tuple(requested.values())
 
 
-def _load(header: Any, binary: _Binary | None) -> Any:
+def _load(header: Any, binary: BinaryData | None) -> Any:
     try:
         return orjson.loads(header)
     except orjson.JSONDecodeError as exc:
@@ -513,7 +322,7 @@ def decode_infer(body: bytes, header_length: int | None, runner: RunnerConfig) -
     document = _load(header, binary)
     if not isinstance(document, dict):
         raise BadRequest(
-            f"request has value {_show(document)}; expected a JSON object "
+            f"request has value {show(document)}; expected a JSON object "
             "{inputs, outputs?, id?, parameters?}"
         )
     params = _object(document.get("parameters"), "parameters")
@@ -531,29 +340,6 @@ def decode_infer(body: bytes, header_length: int | None, runner: RunnerConfig) -
 # --- encoding a response ------------------------------------------------------------------------
 
 
-def _output_array(
-    model: str, spec: TensorSpec, value: np.ndarray | None, rows: int, dim: int
-) -> np.ndarray:
-    """The model's output as the signature says, or a 500: a mismatch is the server's bug."""
-    if value is None:
-        raise BatchserveError(f"model {model!r} returned no output {spec.name!r}")
-    array = np.asarray(value)
-    if array.dtype != spec.dtype:
-        if not np.can_cast(array.dtype, spec.dtype, "same_kind"):
-            raise BatchserveError(
-                f"model {model!r} returned output {spec.name!r} as {array.dtype}; its "
-                f"signature says {spec.datatype}"
-            )
-        array = array.astype(spec.dtype)
-    shape = array.shape
-    if not _fits(shape, spec.shape) or shape[dim] != rows:
-        raise BatchserveError(
-            f"model {model!r} returned output {spec.name!r} with shape {_shape_text(shape)}; "
-            f"expected {_shape_text(spec.shape)} with {rows} rows in dimension {dim}"
-        )
-    return np.ascontiguousarray(array)
-
-
 def encode_infer(
     model_name: str, request: InferRequest, outputs: dict[str, np.ndarray], runner: RunnerConfig
 ) -> tuple[bytes, dict[str, str]]:
@@ -564,7 +350,7 @@ def encode_infer(
     blobs: list[memoryview] = []
     for wanted in request.outputs:
         spec = signature.outputs[wanted.name]
-        array = _output_array(model_name, spec, outputs.get(wanted.name), request.rows, dim)
+        array = output_array(model_name, spec, outputs.get(wanted.name), request.rows, dim)
         tensor: dict[str, Any] = {
             "name": spec.name,
             "datatype": spec.datatype,

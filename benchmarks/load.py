@@ -1,7 +1,7 @@
 """Measure the request path: start the real server, drive it open-loop, count its CPU.
 
 Issue 2, point 8. For each rate this prints p50/p99 latency (from each request's scheduled
-send time, see ``api/bench.py``), the error share, and the CPU time per request of the
+send time, see ``api/loadgen.py``), the error share, and the CPU time per request of the
 server (every process under the supervisor) and of the load generator itself, which runs on
 the same 2 cores and so takes its share from the server.
 
@@ -33,7 +33,8 @@ from pathlib import Path
 
 import orjson
 
-from api.bench import LoadResult, infer_body, loop_factory, run_load
+from api.bench import infer_body
+from api.loadgen import LoadResult, loop_factory, run_load
 
 ROOT = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")

@@ -17,8 +17,9 @@ import numpy as np
 import orjson
 import pytest
 
-from api import bench
-from api.bench import ProtocolError, ResponseParser, run_load
+from api import bench, http1, loadgen
+from api.http1 import ProtocolError, ResponseParser
+from api.loadgen import run_load
 
 APP = textwrap.dedent(
     """
@@ -106,7 +107,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             proc.wait()
 
 
-def _load(url: str, rate: float = 100.0, seconds: float = 1.0, **kw: object) -> bench.LoadResult:
+def _load(url: str, rate: float = 100.0, seconds: float = 1.0, **kw: object) -> loadgen.LoadResult:
     return asyncio.run(run_load(url, b"{}", {}, rate, seconds, **kw))  # type: ignore[arg-type]
 
 
@@ -114,9 +115,9 @@ def _load(url: str, rate: float = 100.0, seconds: float = 1.0, **kw: object) -> 
 
 
 def test_schedule_is_deterministic_increasing_and_inside_the_window() -> None:
-    offsets = bench.schedule(200.0, 2.0, seed=7)
-    assert offsets == bench.schedule(200.0, 2.0, seed=7)
-    assert offsets != bench.schedule(200.0, 2.0, seed=8)
+    offsets = loadgen.schedule(200.0, 2.0, seed=7)
+    assert offsets == loadgen.schedule(200.0, 2.0, seed=7)
+    assert offsets != loadgen.schedule(200.0, 2.0, seed=8)
     assert all(a < b for a, b in zip(offsets, offsets[1:], strict=False))
     assert 0 < offsets[0] and offsets[-1] < 2.0
 
@@ -124,17 +125,17 @@ def test_schedule_is_deterministic_increasing_and_inside_the_window() -> None:
 @pytest.mark.parametrize(("rate", "seconds"), [(0, 1), (10, 0), (-1, 1)])
 def test_schedule_rejects_non_positive_values(rate: float, seconds: float) -> None:
     with pytest.raises(ValueError, match="rate and seconds must be positive"):
-        bench.schedule(rate, seconds)
+        loadgen.schedule(rate, seconds)
 
 
 def test_encode_request_sets_host_and_length_once() -> None:
-    raw = bench.encode_request("POST", "/p", "h:1", {"content-length": "9", "X-A": "b"}, b"abc")
+    raw = http1.encode_request("POST", "/p", "h:1", {"content-length": "9", "X-A": "b"}, b"abc")
     assert raw == b"POST /p HTTP/1.1\r\nHost: h:1\r\nContent-Length: 3\r\nX-A: b\r\n\r\nabc"
 
 
 def test_target_rejects_https() -> None:
     with pytest.raises(ValueError, match="must be http://"):
-        bench.Target.from_url("https://example.org/", b"", {})
+        http1.Target.from_url("https://example.org/", b"", {})
 
 
 def test_parser_reads_responses_split_anywhere_and_back_to_back() -> None:
@@ -156,10 +157,10 @@ def test_parser_notes_connection_close_and_refuses_chunked() -> None:
 
 def test_percentile_is_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
-    assert bench.percentile(values, 0.5) == 50.0
-    assert bench.percentile(values, 0.99) == 99.0
-    assert bench.percentile(values, 1.0) == 100.0
-    assert bench.percentile([], 0.5) is None
+    assert loadgen.percentile(values, 0.5) == 50.0
+    assert loadgen.percentile(values, 0.99) == 99.0
+    assert loadgen.percentile(values, 1.0) == 100.0
+    assert loadgen.percentile([], 0.5) is None
 
 
 def test_json_infer_body_is_a_v2_request() -> None:
@@ -190,7 +191,7 @@ def test_binary_infer_body_follows_the_binary_extension() -> None:
 
 def test_every_scheduled_request_is_sent_and_answered(server: str) -> None:
     result = _load(f"{server}/ok", seed=1)
-    assert result.sent == len(bench.schedule(100.0, 1.0, seed=1))
+    assert result.sent == len(loadgen.schedule(100.0, 1.0, seed=1))
     assert result.answered == result.ok == result.sent
     assert result.errors == 0.0 and result.error_fraction == {}
     assert result.p50_ms is not None and result.max_ms is not None
@@ -219,7 +220,7 @@ def test_latency_runs_from_the_scheduled_time_when_queued_client_side(server: st
     the last answers must wait for every earlier one: a lower bound, not a timing guess.
     """
     result = _load(f"{server}/slow", seconds=0.5, max_connections=2, seed=3)
-    offsets = bench.schedule(100.0, 0.5, seed=3)
+    offsets = loadgen.schedule(100.0, 0.5, seed=3)
     assert result.ok == result.sent == len(offsets)
     assert result.peak_connections <= 2 and result.peak_queued > 0
     service = 0.045  # the server sleeps 50 ms; its timer may fire up to ~1 ms early

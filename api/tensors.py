@@ -1,0 +1,273 @@
+"""One v2 tensor against its `TensorSpec`: declared datatype and shape, data in, output out.
+
+Why a module of its own: `api.protocol` reads the request document (its fields, parameters and
+framing); this reads what a single tensor holds, which is where the cost and the subtle checks
+are. Tensor data never passes through a per-element Python loop: JSON lists go through
+`np.asarray`, binary tensors become `np.frombuffer` views into the request body (zero copy,
+read-only), and every value must fit the input's datatype in kind and range; a disagreement is a
+`BadRequest` that names the input and what was expected. A model output that disagrees with its
+signature is the server's bug, a `BatchserveError`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Final, NoReturn
+
+import numpy as np
+
+from api.errors import BadRequest, BatchserveError
+from runner.config import DATATYPES, TensorSpec
+
+__all__ = [
+    "HEADER_LENGTH",
+    "MISSING",
+    "BinaryData",
+    "check_datatype",
+    "check_shape",
+    "from_binary",
+    "from_json",
+    "output_array",
+    "shape_text",
+    "show",
+]
+
+# The binary tensor data extension's HTTP header. It is defined here, below `api.protocol`,
+# because a binary input that arrives without it is refused with its name.
+HEADER_LENGTH: Final = "Inference-Header-Content-Length"
+# What `from_json` is given for an input without a "data" member.
+MISSING: Final = object()
+# numpy kinds that `np.asarray` may infer from JSON data, accepted for each kind of datatype.
+_ACCEPTED_KINDS = {"f": "fiu", "i": "iu", "u": "iu", "b": "b"}
+_KIND_WORDS = {"f": "numbers", "i": "integers", "u": "integers", "b": "booleans (true/false)"}
+
+
+# --- error messages -----------------------------------------------------------------------------
+
+
+def show(value: Any) -> str:
+    """A value quoted for an error message, cut short: it may be a whole tensor."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def shape_text(shape: tuple[int, ...] | list[int]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+# --- declared datatype and shape ----------------------------------------------------------------
+
+
+def _fits(shape: tuple[int, ...] | list[int], pattern: tuple[int, ...]) -> bool:
+    """Whether `shape` matches a signature shape, where -1 matches any size."""
+    # Plain loops here: the all()/any() generator form costs a microsecond per request.
+    if len(shape) != len(pattern):
+        return False
+    for got, want in zip(shape, pattern, strict=True):
+        if want != got and want != -1:
+            return False
+    return True
+
+
+def check_shape(spec: TensorSpec, value: Any) -> tuple[int, ...]:
+    if type(value) is not list:
+        _bad_shape(spec, value)
+    for dim in value:
+        if type(dim) is not int or dim < 0:
+            _bad_shape(spec, value)
+    if not _fits(value, spec.shape):
+        _bad_shape(spec, value)
+    return tuple(value)
+
+
+def _bad_shape(spec: TensorSpec, value: Any) -> NoReturn:
+    plain = isinstance(value, list) and all(type(dim) is int for dim in value)
+    shape = shape_text(value) if plain else show(value)
+    raise BadRequest(f"input {spec.name!r} has shape {shape}; expected {shape_text(spec.shape)}")
+
+
+def check_datatype(spec: TensorSpec, value: Any) -> None:
+    if value == spec.datatype:
+        return
+    shown = value if isinstance(value, str) else show(value)
+    note = " (BYTES tensors are not supported)" if value == "BYTES" else ""
+    raise BadRequest(f"input {spec.name!r} has datatype {shown}; expected {spec.datatype}{note}")
+
+
+# --- binary tensor data -------------------------------------------------------------------------
+
+
+class BinaryData:
+    """The body after the JSON header, handed out to binary inputs in order."""
+
+    __slots__ = ("body", "start", "cursor")
+
+    def __init__(self, body: bytes, start: int) -> None:
+        self.body = body
+        self.start = start
+        self.cursor = start
+
+    def take(self, name: str, size: int) -> int:
+        offset = self.cursor
+        if offset + size > len(self.body):
+            raise BadRequest(
+                f"input {name!r} needs {size} bytes of binary data at offset "
+                f"{offset - self.start}, but only {len(self.body) - offset} remain"
+            )
+        self.cursor = offset + size
+        return offset
+
+    def check_used(self) -> None:
+        unused = len(self.body) - self.cursor
+        if unused:
+            raise BadRequest(
+                f"the request has {len(self.body) - self.start} bytes of binary data after its "
+                f"JSON header; its inputs use {self.cursor - self.start}"
+            )
+
+
+def from_binary(
+    spec: TensorSpec, shape: tuple[int, ...], size: Any, binary: BinaryData | None
+) -> np.ndarray:
+    name = spec.name
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise BadRequest(f"input {name!r} has binary_data_size {show(size)}; expected a byte count")
+    count = math.prod(shape)
+    expected = count * spec.dtype.itemsize
+    if size != expected:
+        raise BadRequest(
+            f"input {name!r} has binary_data_size {size}; expected {expected} bytes "
+            f"for shape {shape_text(shape)} of {spec.datatype}"
+        )
+    if binary is None:
+        raise BadRequest(
+            f"input {name!r} has parameters.binary_data_size, but the request has no "
+            f"{HEADER_LENGTH} header to delimit its binary data"
+        )
+    offset = binary.take(name, size)
+    if count == 0:
+        return np.zeros(shape, spec.dtype)
+    array = np.frombuffer(binary.body, spec.dtype, count, offset).reshape(shape)
+    if spec.datatype == "BOOL" and array.view(np.uint8).max() > 1:
+        raise BadRequest(f"input {name!r} has BOOL bytes other than 0 and 1")
+    return array
+
+
+# --- JSON tensor data ---------------------------------------------------------------------------
+
+
+def _limits(dtype: np.dtype[Any]) -> tuple[float, float] | None:
+    if dtype.kind == "f":
+        info = np.finfo(dtype)
+        return float(info.min), float(info.max)
+    if dtype.kind in "iu":
+        bounds = np.iinfo(dtype)
+        return bounds.min, bounds.max
+    return None
+
+
+_LIMITS = {name: _limits(dtype) for name, dtype in DATATYPES.items()}
+
+
+def from_json(spec: TensorSpec, shape: tuple[int, ...], data: Any) -> np.ndarray:
+    name = spec.name
+    if data is MISSING:
+        raise BadRequest(
+            f"input {name!r} has neither 'data' nor parameters.binary_data_size; expected one"
+        )
+    if not isinstance(data, list):
+        raise BadRequest(f"input {name!r} has data {show(data)}; expected a list")
+    try:
+        raw = np.asarray(data)
+    except ValueError:
+        raise BadRequest(
+            f"input {name!r} has nested data of uneven lengths; expected a flat list or "
+            f"lists nested as its shape {shape_text(shape)}"
+        ) from None
+    count = math.prod(shape)
+    if raw.size != count:
+        raise BadRequest(
+            f"input {name!r} has {raw.size} data elements; its shape {shape_text(shape)} "
+            f"needs {count}"
+        )
+    if raw.ndim != 1 and raw.shape != shape:
+        raise BadRequest(
+            f"input {name!r} has data nested as {shape_text(raw.shape)}; expected a flat list "
+            f"or lists nested as its shape {shape_text(shape)}"
+        )
+    if raw.dtype.kind == "O" or (raw.dtype.kind == "f" and spec.dtype.kind in "iu"):
+        raw = _big_integers(spec, data)
+    return _convert(spec, raw).reshape(shape)
+
+
+def _big_integers(spec: TensorSpec, data: list[Any]) -> np.ndarray:
+    """Read integers numpy cannot type: beyond 64 bits (object) or either side of 2**63 (float).
+
+    A rare path, or an error path (floats for an integer input, null, mixed types), so a
+    per-element check is affordable here.
+    """
+    items = np.asarray(data, dtype=object)
+    if spec.dtype.kind == "b" or not all(type(item) is int for item in items.flat):
+        raise _wrong_kind(spec)
+    target = {"f": np.float64, "u": np.uint64}.get(spec.dtype.kind)
+    if target is None:  # signed: these values lie beyond INT64, so beyond every signed type
+        raise _out_of_range(spec)
+    try:
+        return items.astype(target)  # _convert then checks the range of the input's dtype
+    except OverflowError:
+        raise _out_of_range(spec) from None
+
+
+def _wrong_kind(spec: TensorSpec) -> BadRequest:
+    return BadRequest(
+        f"input {spec.name!r} has data that are not all {_KIND_WORDS[spec.dtype.kind]}; "
+        f"expected {spec.datatype} values"
+    )
+
+
+def _out_of_range(spec: TensorSpec) -> BadRequest:
+    low, high = _LIMITS[spec.datatype] or (0, 0)
+    return BadRequest(
+        f"input {spec.name!r} has values outside the range of {spec.datatype} [{low:g}, {high:g}]"
+    )
+
+
+def _convert(spec: TensorSpec, raw: np.ndarray) -> np.ndarray:
+    """Cast parsed JSON data to the input's dtype, refusing other kinds and lossy ranges."""
+    dtype = spec.dtype
+    if raw.dtype == dtype or raw.size == 0:
+        return raw.astype(dtype, copy=False)
+    if raw.dtype.kind not in _ACCEPTED_KINDS[dtype.kind]:
+        raise _wrong_kind(spec)
+    limits = _LIMITS[spec.datatype]
+    # JSON integers (int64/uint64) always fit FP32 and FP64; everything else may not.
+    exact = raw.dtype.kind in "iu" and dtype.kind == "f" and dtype.itemsize >= 4
+    if limits is not None and not exact and (raw.min() < limits[0] or raw.max() > limits[1]):
+        raise _out_of_range(spec)
+    return raw.astype(dtype)
+
+
+# --- model outputs ------------------------------------------------------------------------------
+
+
+def output_array(
+    model: str, spec: TensorSpec, value: np.ndarray | None, rows: int, dim: int
+) -> np.ndarray:
+    """The model's output as the signature says, or a 500: a mismatch is the server's bug."""
+    if value is None:
+        raise BatchserveError(f"model {model!r} returned no output {spec.name!r}")
+    array = np.asarray(value)
+    if array.dtype != spec.dtype:
+        if not np.can_cast(array.dtype, spec.dtype, "same_kind"):
+            raise BatchserveError(
+                f"model {model!r} returned output {spec.name!r} as {array.dtype}; its "
+                f"signature says {spec.datatype}"
+            )
+        array = array.astype(spec.dtype)
+    shape = array.shape
+    if not _fits(shape, spec.shape) or shape[dim] != rows:
+        raise BatchserveError(
+            f"model {model!r} returned output {spec.name!r} with shape {shape_text(shape)}; "
+            f"expected {shape_text(spec.shape)} with {rows} rows in dimension {dim}"
+        )
+    return np.ascontiguousarray(array)
