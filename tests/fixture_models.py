@@ -18,3 +18,9 @@ def slow_echo(x: np.ndarray) -> np.ndarray:
     """Holds each batch for 300 ms, so requests are surely in flight when a test acts."""
     time.sleep(0.3)
     return x
+
+
+def busy_echo(x: np.ndarray) -> np.ndarray:
+    """Takes 5 ms a batch whatever its size: a server of it is easy to overload."""
+    time.sleep(0.005)
+    return x
