@@ -1,8 +1,8 @@
 """The HTTP front: Open Inference Protocol v2 routes over the runner pools.
 
 Each request is decoded and checked against the runner's signature here, so a runner only
-ever sees tensors that fit; its deadline starts when the request arrives, and whatever time
-is left is what the runner is given. Errors of every kind leave through `error_response`.
+ever sees tensors that fit; its deadline starts when the whole request has arrived, and
+whatever time is left is what the runner is given. Errors of every kind leave through `error_response`.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class Service:
         name = parts[3]
         try:
             runner = self.runner(name, parts[5] if len(parts) == 7 else None)
-            status, content, headers = 200, *await self._infer(scope, receive, runner, started)
+            status, content, headers = 200, *await self._infer(scope, receive, runner)
         except Exception as exc:
             if not isinstance(exc, BatchserveError):
                 log.exception("unexpected error answering a request", exc_info=exc)
@@ -122,7 +122,7 @@ class Service:
             self._observe(name, status, started)
 
     async def _infer(
-        self, scope: Scope, receive: Receive, runner: RunnerConfig, started: float
+        self, scope: Scope, receive: Receive, runner: RunnerConfig
     ) -> tuple[bytes, dict[str, str]]:
         length = header_length = None
         for key, value in scope["headers"]:
@@ -131,11 +131,13 @@ class Service:
             elif key == b"inference-header-content-length":
                 header_length = value.decode("latin-1")
         body = await self._body(receive, length)
+        # The deadline runs from the whole request's arrival: its upload is the client's time.
+        arrived = time.monotonic()
         call = protocol.decode_infer(body, protocol.parse_header_length(header_length), runner)
         limit = runner.batching.max_latency_ms / 1000
         if call.timeout_s is not None:
             limit = min(limit, call.timeout_s)
-        budget = limit - (time.monotonic() - started)
+        budget = limit - (time.monotonic() - arrived)
         outputs = await self._call(runner.name, call.inputs, budget)
         return protocol.encode_infer(runner.name, call, outputs, runner)
 
