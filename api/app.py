@@ -2,7 +2,8 @@
 
 Each request is decoded and checked against the runner's signature here, so a runner only
 ever sees tensors that fit; its deadline starts when the whole request has arrived, and
-whatever time is left is what the runner is given. Errors of every kind leave through `error_response`.
+whatever time is left is what the runner is given. Errors of every kind leave through
+`error_response`.
 """
 
 from __future__ import annotations
