@@ -22,7 +22,7 @@ from runner import models
 from runner.config import Config, ConfigError, RunnerConfig, load
 from runner.dispatcher import Dispatcher, Rejection
 from runner.metrics import RunnerMetrics
-from runner.policy import Policy
+from runner.policy import Policy, make_policy
 from runner.wire import (
     Address,
     Call,
@@ -118,11 +118,6 @@ class Connection(asyncio.Protocol):
 
 def build_policy(runner: RunnerConfig) -> Policy:
     """The adaptive policy when batching is on; one request at a time when it is off."""
-    try:
-        from runner.policy import make_policy  # type: ignore[attr-defined]
-    except ImportError:  # TEMPORARY until the adaptive policy lands
-        from runner.policy import GreedyPolicy
-        return GreedyPolicy(runner.batching.max_batch_size)
     batching = runner.batching
     kind = "adaptive" if batching.enabled else "none"
     return make_policy(kind, batching.max_batch_size, batching.max_latency_ms / 1000)
