@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from runner.policy import Batch, PolicyStats, Reason, Request, Step, WithoutModel
+from runner.policy import Batch, PolicyStats, Reason, Request, Step, WithoutModel, take_in_order
 
 
 class FixedPolicy(WithoutModel):
@@ -54,15 +54,10 @@ class FixedPolicy(WithoutModel):
         return Step(wake_at=release_at)
 
     def _take(self, reason: Reason) -> Batch:
-        taken: list[Request] = []
-        rows = 0
-        while self.queue and (not taken or rows + self.queue[0].rows <= self.cap):
-            request = self.queue.popleft()
-            taken.append(request)
-            rows += request.rows
+        taken, rows = take_in_order(self.queue, self.cap)
         self.queued_rows -= rows
         self.busy = True
-        return Batch(tuple(taken), reason)
+        return Batch(taken, reason)
 
     def complete(self, batch: Batch, started: float, finished: float) -> None:
         self.busy = False

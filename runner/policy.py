@@ -101,6 +101,17 @@ class Policy(Protocol):
     def apply_fit(self, fit: Any) -> None: ...
 
 
+def take_in_order(queue: deque[Request], cap: int) -> tuple[tuple[Request, ...], int]:
+    """Pop requests in arrival order while they fit `cap` rows (always at least one)."""
+    taken: list[Request] = []
+    rows = 0
+    while queue and (not taken or rows + queue[0].rows <= cap):
+        request = queue.popleft()
+        taken.append(request)
+        rows += request.rows
+    return tuple(taken), rows
+
+
 class WithoutModel:
     """The calibration and refit part of the contract, for policies without a latency model."""
 
@@ -139,15 +150,10 @@ class GreedyPolicy(WithoutModel):
             expired.append(self.queue.popleft())
         if self.busy or not self.queue:
             return Step(expired=tuple(expired))
-        taken: list[Request] = []
-        rows = 0
-        while self.queue and (not taken or rows + self.queue[0].rows <= self.cap):
-            request = self.queue.popleft()
-            taken.append(request)
-            rows += request.rows
+        taken, rows = take_in_order(self.queue, self.cap)
         self.busy = True
         reason: Reason = "full" if rows >= self.cap else "idle"
-        return Step(batch=Batch(tuple(taken), reason), expired=tuple(expired))
+        return Step(batch=Batch(taken, reason), expired=tuple(expired))
 
     def complete(self, batch: Batch, started: float, finished: float) -> None:
         self.busy = False
