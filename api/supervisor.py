@@ -34,7 +34,9 @@ log = logging.getLogger("batchserve")
 RUNNER_START_S = 300.0
 API_START_S = 60.0
 STOP_GRACE_S = 4.0
-RESTART_PAUSE_S = 1.0
+RESTART_FIRST_S = 0.5  # pause before restarting a child that died young; doubles each time
+RESTART_MAX_S = 30.0
+STABLE_S = 60.0  # a child that lived this long is restarted at once, its record forgotten
 _PR_SET_PDEATHSIG = 1
 
 
@@ -60,8 +62,19 @@ class Child:
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     restarts: int = 0
+    failures: int = 0
+    died: float | None = None
+
+    def due(self, now: float) -> bool:
+        """Whether this dead child may start again: at once after a long life, and with a
+        pause that doubles with each early death in a row, so a crash loop costs little."""
+        if self.died is None:
+            self.died = now
+            self.failures = 0 if now - self.started >= STABLE_S else self.failures + 1
+        return now - self.died >= restart_pause(self.failures)
 
     def start(self) -> None:
+        self.died = None
         self.process = subprocess.Popen(
             self.command, env=self.env, pass_fds=self.pass_fds, start_new_session=True,
             stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
@@ -76,6 +89,13 @@ class Child:
         if self.alive:
             assert self.process is not None
             self.process.send_signal(signum)
+
+
+def restart_pause(failures: int) -> float:
+    """Seconds to wait before a restart after `failures` early deaths in a row."""
+    if failures <= 0:
+        return 0.0
+    return min(RESTART_MAX_S, RESTART_FIRST_S * 2 ** (failures - 1))
 
 
 def probe(address: Address, timeout: float = 1.0) -> bool:
@@ -234,7 +254,7 @@ class Supervisor:
     def _watch(self) -> None:
         while not self.signals:
             for child in self.runners + self.apis:
-                if not child.alive and time.monotonic() - child.started > RESTART_PAUSE_S:
+                if not child.alive and child.due(time.monotonic()):
                     self._replace(child)
             self.wake.wait(0.1)
 
