@@ -95,7 +95,7 @@ class AdaptivePolicy:
         self._queue_wait_s = 0.0
         self._fresh = 0
         self._fresh_rows = 0
-        self._surprises = 0
+        self._surprises: list[float] = []  # slowdowns of the latest batches beyond the quantile
         self._shifted = False
         self._pending_since: float | None = None
         self._use(Fit())
@@ -137,11 +137,15 @@ class AdaptivePolicy:
         self.model.add(rows, elapsed)
         self._fresh += 1
         self._fresh_rows += rows
-        self._surprises = self._surprises + 1 if elapsed > self._fit.high(rows) else 0
-        if self._surprises >= SHIFT_RUN:
-            self.model.forget_before(SHIFT_RUN)
+        surprises = self._surprises
+        if elapsed <= self._fit.high(rows):
+            surprises.clear()
+            return
+        surprises.append(elapsed / max(self._fit.mean(rows), 1e-9))
+        if len(surprises) >= SHIFT_RUN:
+            self.model.restart(SHIFT_RUN, sorted(surprises)[len(surprises) // 2])
             self._shifted = True
-            self._surprises = 0
+            surprises.clear()
 
     def stats(self, now: float) -> PolicyStats:
         fit = self._fit

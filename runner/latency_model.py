@@ -88,10 +88,16 @@ class LatencyModel:
     def add_calibration(self, rows: int, seconds: float) -> None:
         self.calibration.append((rows, seconds))
 
-    def forget_before(self, keep_last: int) -> None:
-        """Drop all but the newest live samples: the cost changed and old ones now mislead."""
+    def restart(self, keep_last: int, slowdown: float) -> None:
+        """The cost changed: drop all but the newest live samples, which old ones would now
+        contradict, and scale the calibration by the slowdown those newest ones show.
+
+        Unscaled, the calibration would pull the next fit halfway back to the old cost and
+        the residual spread, hence every promise, would balloon until the window refills.
+        """
         while len(self.samples) > keep_last:
             self.samples.popleft()
+        self.calibration = [(rows, seconds * slowdown) for rows, seconds in self.calibration]
 
     def snapshot(self) -> Snapshot:
         live = list(self.samples)

@@ -214,6 +214,26 @@ def test_three_slow_batches_in_a_row_trigger_a_refit_at_once() -> None:
     assert policy.refit_job(now) is not None
 
 
+def test_after_the_cost_doubles_the_refit_follows_with_a_tight_spread() -> None:
+    policy = AdaptivePolicy(64, SLO)
+    for rows in policy.calibration_sizes():
+        policy.calibrate(rows, 0.005 + 0.0005 * rows)
+    now = 1.0
+    for rows in (10, 12, 14):  # three batches at twice the calibrated cost
+        policy.offer(request(rows, now, rows), now)
+        batch = policy.poll(now).batch
+        assert batch is not None
+        policy.complete(batch, now, now + 2 * (0.005 + 0.0005 * rows))
+        now += 0.1
+    job = policy.refit_job(now)
+    assert job is not None
+    policy.apply_fit(job())
+    stats = policy.stats(now)
+    assert stats.intercept_s == pytest.approx(0.010, rel=0.02)
+    assert stats.slope_s == pytest.approx(0.001, rel=0.02)
+    assert stats.spread < 0.02  # the old calibration, unscaled, would leave it near 0.3
+
+
 def test_calibration_sizes_and_a_fit_right_after_calibration() -> None:
     assert AdaptivePolicy(64, SLO).calibration_sizes() == (1, 2, 4, 8, 16, 32, 64) * 2
     assert AdaptivePolicy(10, SLO).calibration_sizes() == (1, 2, 4, 8, 10) * 2
