@@ -85,6 +85,7 @@ class AdaptivePolicy:
         self._queue: deque[Request] = deque()
         self._queued_rows = 0
         self._held_cap = 0
+        self._next_rows = 0  # rows promised to the next batch, past the cap
         self._running: Batch | None = None
         self._done_mean = 0.0
         self._running_mean_s = 0.0
@@ -105,7 +106,9 @@ class AdaptivePolicy:
     def offer(self, request: Request, now: float) -> bool:
         self._request_rate.add(now)
         self._row_rate.add(now, request.rows)
-        if self.promise(request.rows, now) > request.deadline:
+        if self.promise(request.rows, now) > request.deadline and not self._stretch_next(
+            request, now
+        ):
             self.refused += 1
             return False
         self._queue.append(request)
@@ -201,29 +204,59 @@ class AdaptivePolicy:
     def promise(self, rows: int, now: float) -> float:
         """Predicted (high-quantile) completion of `rows` joining the back of the queue now.
 
-        O(1): the queue ahead is served in batches of the current cap, and the request's own
-        batch also takes the rows that will arrive before it starts (FIFO: they join it).
+        O(1): the queue ahead is served in batches of the current cap (the next one may have
+        been promised more rows, see `_stretch_next`), and the request's own batch also takes
+        the rows that will arrive before it starts (FIFO: they join it).
         """
         b, a = self._mean_b, self._mean_a
-        if self._running is not None:
-            start = self._done_mean if self._done_mean > now else now
-            variance = self._running_mean_s * self._running_mean_s
-        else:
-            start = now + self.window_s
-            variance = 0.0
+        start, variance = self._next_start(now)
         cap = self.cap
-        full, rest = divmod(self._queued_rows + rows, cap)
-        if rest == 0:
-            full, rest = full - 1, cap
-        batch_s = b + a * cap
-        ahead = full * batch_s
-        variance += full * batch_s * batch_s
+        first = max(cap, self._next_rows)
+        total = self._queued_rows + rows
+        if total <= first:
+            ahead, rest, room = 0.0, total, first
+        else:
+            first_s = b + a * first
+            full, rest = divmod(total - first, cap)
+            if rest == 0:
+                full, rest = full - 1, cap
+            batch_s = b + a * cap
+            ahead = first_s + full * batch_s
+            variance += first_s * first_s + full * batch_s * batch_s
+            room = cap
         rate = max(self._admitted_rate.rate(now), self._admitted_now.rate(now))
         joining = rate * (start + ahead - now)
-        own_s = b + a * min(cap, rest + joining)
+        own_s = b + a * min(room, rest + joining)
         variance += own_s * own_s
         # Batch noise is independent from batch to batch: margins add in quadrature.
         return start + ahead + own_s + self._margin * math.sqrt(variance)
+
+    def _next_start(self, now: float) -> tuple[float, float]:
+        """When the next batch is expected to start, and the variance of that time."""
+        if self._running is None:
+            return now + self.window_s, 0.0
+        start = self._done_mean if self._done_mean > now else now
+        return start, self._running_mean_s * self._running_mean_s
+
+    def _stretch_next(self, request: Request, now: float) -> bool:
+        """Admit `request` into the next batch past the cap, if everyone in it stays on time.
+
+        The cap is the best size for a stream of batches, but one request that it would push
+        to the batch after, too late, may still ride in the next batch when that batch has
+        room and time to spare. The batch is then promised exactly these rows: later
+        arrivals queue behind it.
+        """
+        rows = self._queued_rows + request.rows
+        if rows <= max(self.cap, self._next_rows) or rows > self.max_batch_size:
+            return False
+        start, variance = self._next_start(now)
+        batch_s = self._mean_b + self._mean_a * rows
+        finish = start + batch_s + self._margin * math.sqrt(variance + batch_s * batch_s)
+        earliest = min((queued.deadline for queued in self._queue), default=math.inf)
+        if finish > min(earliest, request.deadline):
+            return False
+        self._next_rows = rows
+        return True
 
     def _use(self, fit: Fit) -> None:
         self.model.fit = fit
@@ -291,7 +324,8 @@ class AdaptivePolicy:
     def _take(self, now: float, reason: Reason) -> tuple[Batch | None, tuple[Request, ...]]:
         """Pop a batch FIFO up to the cap, dropping requests that would surely be late in it."""
         queue = self._queue
-        limit = self.cap
+        limit = max(self.cap, self._next_rows)
+        self._next_rows = 0
         if self._queued_rows > limit and self._held_cap > limit:
             # Requests were admitted on the promise of a larger cap: keep it until they are out.
             limit = self._held_cap

@@ -52,6 +52,25 @@ def test_refuses_at_arrival_when_the_queue_ahead_makes_it_late() -> None:
     assert policy.stats(0.03).queued == 2
 
 
+def test_a_request_the_cap_would_make_late_rides_the_next_batch_if_it_has_time() -> None:
+    policy = adaptive()
+    policy.offer(request(0, 0.0), 0.0)
+    assert policy.poll(0.0).batch is not None  # runs until 0.0055
+    policy.cap = 4  # as if retuned under a tight limit
+    queued = [request(i, 0.001) for i in range(1, 5)]
+    for each in queued:
+        assert policy.offer(each, 0.001)
+    urgent = request(5, 0.001, slo=0.015)
+    # Behind a full next batch it would finish near 0.0195, after its deadline of 0.016; in
+    # the next batch, five rows from 0.0055 take until 0.013: everyone in it is on time.
+    assert policy.promise(1, 0.001) > urgent.deadline
+    assert policy.offer(urgent, 0.001)
+    assert not policy.offer(request(6, 0.001, slo=0.012), 0.001)  # six rows: done at 0.0135
+    policy.complete(Batch((request(0, 0.0),), "idle"), 0.0, 0.0055)
+    batch = policy.poll(0.0055).batch
+    assert batch is not None and batch.requests == (*queued, urgent)
+
+
 def test_a_request_whose_deadline_passes_while_queued_expires_without_compute() -> None:
     policy = adaptive(intercept=0.05, slope=0.0)
     policy.offer(request(1, 0.0), 0.0)
