@@ -144,6 +144,7 @@ class Dispatcher:
             seconds = await self._loop.run_in_executor(self._model_thread, self._time, tensors)
             self.policy.calibrate(rows, seconds)
         self._maybe_refit()
+        self.metrics.publish(self.policy.stats(self.clock()))  # the fit is known before traffic
 
     def _time(self, tensors: Tensors) -> float:
         started = self.clock()

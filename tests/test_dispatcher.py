@@ -8,7 +8,9 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
+from runner.adaptive import AdaptivePolicy
 from runner.config import RunnerConfig, TensorSpec
 from runner.dispatcher import Dispatcher, Rejection
 from runner.metrics import RunnerMetrics
@@ -150,3 +152,14 @@ async def test_drain_finishes_running_work_and_stops_queued_work() -> None:
     running_answer = await running  # the runner is stopping: even a running batch is answered
     assert isinstance(running_answer, Rejection) and running_answer.code == FailureCode.STOPPING
 
+
+
+async def test_the_live_gauges_show_the_calibrated_state_before_any_traffic() -> None:
+    policy = AdaptivePolicy(8, 1.0)
+    d = Dispatcher(RUNNER, Model(RUNNER, Gate(), torch=False), policy, RunnerMetrics("gauges"))
+    await d.start()
+    stats = policy.stats(0.0)
+    value = REGISTRY.get_sample_value
+    assert value("batchserve_dispatcher_batch_cap", {"runner": "gauges"}) == 8
+    fitted = value("batchserve_latency_model_intercept_seconds", {"runner": "gauges"})
+    assert fitted == stats.intercept_s > 0.0  # calibration timed the model: a batch costs time
