@@ -156,10 +156,10 @@ async def test_drain_finishes_running_work_and_stops_queued_work() -> None:
 
 async def test_the_live_gauges_show_the_calibrated_state_before_any_traffic() -> None:
     policy = AdaptivePolicy(8, 1.0)
-    d = Dispatcher(RUNNER, Model(RUNNER, Gate(), torch=False), policy, RunnerMetrics("gauges"))
+    d = dispatcher(Gate(), policy, cap=8)
     await d.start()
     stats = policy.stats(0.0)
     value = REGISTRY.get_sample_value
-    assert value("batchserve_dispatcher_batch_cap", {"runner": "gauges"}) == 8
-    fitted = value("batchserve_latency_model_intercept_seconds", {"runner": "gauges"})
+    assert value("batchserve_dispatcher_batch_cap", {"runner": "test-dispatcher"}) == 8
+    fitted = value("batchserve_latency_model_intercept_seconds", {"runner": "test-dispatcher"})
     assert fitted == stats.intercept_s > 0.0  # calibration timed the model: a batch costs time
