@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from runner.latency_model import Fit, LatencyModel, RateEstimator, fit_samples
+from runner.latency_model import Fit, LatencyModel, RateEstimator, Timing, fit_samples
 from runner.policy import Batch, PolicyStats, Reason, Request, Step
 
 HOLD_MIN_ARRIVALS = 2.0
 """A hold is worth it only if at least this many requests are expected to arrive during it;
 at lower rates the batch goes out at once, so low load never waits."""
-
-SHIFT_RUN = 3
-"""Batches in a row slower than the predicted high quantile that mean the cost has changed
-(by chance this happens once in a million batches at a 99% quantile): old samples are then
-dropped and a refit is due at once."""
 
 STALE_JOB_S = 10.0
 """A refit handed out and never applied (the job failed) stops blocking the next after this."""
@@ -96,7 +91,6 @@ class AdaptivePolicy:
         self._queue_wait_s = 0.0
         self._fresh = 0
         self._fresh_rows = 0
-        self._surprises: list[float] = []  # slowdowns of the latest batches beyond the quantile
         self._shifted = False
         self._pending_since: float | None = None
         self._use(Fit())
@@ -106,9 +100,7 @@ class AdaptivePolicy:
     def offer(self, request: Request, now: float) -> bool:
         self._request_rate.add(now)
         self._row_rate.add(now, request.rows)
-        if self.promise(request.rows, now) > request.deadline and not self._stretch_next(
-            request, now
-        ):
+        if not self._admits(request, now):
             self.refused += 1
             return False
         self._queue.append(request)
@@ -133,22 +125,16 @@ class AdaptivePolicy:
         batch, dropped = self._take(now, reason)
         return Step(batch=batch, expired=expired + dropped)
 
-    def complete(self, batch: Batch, started: float, finished: float) -> None:
+    def complete(
+        self, batch: Batch, started: float, finished: float, cpu_s: float | None = None
+    ) -> None:
         self._running = None
         elapsed = finished - started
         rows = batch.rows
-        self.model.add(rows, elapsed)
+        if self.model.add(rows, elapsed, elapsed if cpu_s is None else cpu_s):
+            self._shifted = True
         self._fresh += 1
         self._fresh_rows += rows
-        surprises = self._surprises
-        if elapsed <= self._fit.high(rows):
-            surprises.clear()
-            return
-        surprises.append(elapsed / max(self._fit.mean(rows), 1e-9))
-        if len(surprises) >= SHIFT_RUN:
-            self.model.restart(SHIFT_RUN, sorted(surprises)[len(surprises) // 2])
-            self._shifted = True
-            surprises.clear()
 
     def stats(self, now: float) -> PolicyStats:
         fit = self._fit
@@ -169,10 +155,10 @@ class AdaptivePolicy:
         sizes = sorted({min(2**i, self.max_batch_size) for i in range(32)})
         return tuple(sizes) * self.calibration_repeats
 
-    def calibrate(self, rows: int, seconds: float) -> None:
+    def calibrate(self, timings: Sequence[Timing]) -> None:
         # Before the runner is ready nothing is latency-critical, so fit inline: the first
         # request then meets a well-posed model even if no refit has run yet.
-        self.model.add_calibration(rows, seconds)
+        self.model.calibrate(timings)
         self.apply_fit(fit_samples(self.model.snapshot()))
 
     def refit_job(self, now: float) -> Callable[[], Any] | None:
@@ -200,6 +186,20 @@ class AdaptivePolicy:
         self._use(fit)
 
     # --- predictions ----------------------------------------------------------------------
+
+    def _admits(self, request: Request, now: float) -> bool:
+        """Whether the request is promised to finish by its deadline.
+
+        An idle model with nothing queued takes any request whose rows alone fit the deadline
+        on the cost curve: serving it costs no one anything, and its batch tells the model
+        how the machine runs now, so a stretch learned in a bad moment cannot refuse every
+        request for ever.
+        """
+        if self._running is None and not self._queue:
+            return now + self._fit.cost(request.rows) <= request.deadline
+        if self.promise(request.rows, now) <= request.deadline:
+            return True
+        return self._stretch_next(request, now)
 
     def promise(self, rows: int, now: float) -> float:
         """Predicted (high-quantile) completion of `rows` joining the back of the queue now.
@@ -351,7 +351,7 @@ class AdaptivePolicy:
             self._held_cap = self.cap
         if not taken:
             return None, tuple(dropped)
-        batch = Batch(tuple(taken), reason)
+        batch = Batch(tuple(taken), reason, self._fit.high(rows))
         self._running = batch
         self._running_mean_s = intercept + slope * rows
         self._done_mean = now + self._running_mean_s

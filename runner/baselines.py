@@ -59,7 +59,9 @@ class FixedPolicy(WithoutModel):
         self.busy = True
         return Batch(taken, reason)
 
-    def complete(self, batch: Batch, started: float, finished: float) -> None:
+    def complete(
+        self, batch: Batch, started: float, finished: float, cpu_s: float | None = None
+    ) -> None:
         self.busy = False
 
     def stats(self, now: float) -> PolicyStats:
@@ -154,7 +156,9 @@ class BentoMLPolicy(WithoutModel):
         self.busy = True
         return Batch(tuple(taken), "idle")
 
-    def complete(self, batch: Batch, started: float, finished: float) -> None:
+    def complete(
+        self, batch: Batch, started: float, finished: float, cpu_s: float | None = None
+    ) -> None:
         self.busy = False
         self.batches += 1
         self.history.append((len(batch.requests), finished - started, self._pending_wait))

@@ -25,6 +25,7 @@ import numpy as np
 
 from runner import batching
 from runner.config import RunnerConfig
+from runner.latency_model import Timing
 from runner.metrics import RunnerMetrics
 from runner.models import Model
 from runner.policy import Batch, Policy, Request
@@ -69,6 +70,7 @@ class _Outcome:
     error: str | None
     started: float
     finished: float
+    cpu_s: float
 
 
 @dataclass(slots=True)
@@ -112,12 +114,14 @@ class Dispatcher:
         policy: Policy,
         metrics: RunnerMetrics,
         clock: Callable[[], float] = time.monotonic,
+        cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         self.runner = runner
         self.model = model
         self.policy = policy
         self.metrics = metrics
         self.clock = clock
+        self.cpu_clock = cpu_clock
         self.max_latency_s = runner.batching.max_latency_ms / 1000
         self.cap = runner.batching.max_batch_size
         self._jobs: dict[int, _Job] = {}
@@ -139,17 +143,19 @@ class Dispatcher:
     async def start(self) -> None:
         """Time the model at the policy's calibration sizes, so its first fit is well-posed."""
         self._loop = asyncio.get_running_loop()
+        timings = []
         for i, rows in enumerate(self.policy.calibration_sizes()):
             tensors = synthetic_inputs(self.runner, rows, seed=i)
-            seconds = await self._loop.run_in_executor(self._model_thread, self._time, tensors)
-            self.policy.calibrate(rows, seconds)
-        self._maybe_refit()
+            timings.append(
+                await self._loop.run_in_executor(self._model_thread, self._time, rows, tensors)
+            )
+        self.policy.calibrate(timings)
         self.metrics.publish(self.policy.stats(self.clock()))  # the fit is known before traffic
 
-    def _time(self, tensors: Tensors) -> float:
-        started = self.clock()
+    def _time(self, rows: int, tensors: Tensors) -> Timing:
+        started, cpu = self.clock(), self.cpu_clock()
         self.model(tensors)
-        return self.clock() - started
+        return Timing(rows, self.clock() - started, self.cpu_clock() - cpu)
 
     async def drain(self, grace_s: float) -> None:
         """Let queued and running work finish within `grace_s`, then refuse what is left."""
@@ -250,22 +256,23 @@ class Dispatcher:
     def _execute(self, parts: list[Tensors], sizes: list[int]) -> _Outcome:
         """On the model thread: join, run, split; errors become an outcome, never a crash."""
         in_dim, out_dim = self.runner.batch_dim
-        started = self.clock()
+        started, cpu = self.clock(), self.cpu_clock()
         try:
             outputs = self.model(batching.concatenate(parts, in_dim))
             pieces = batching.split(outputs, sizes, out_dim)
-            return _Outcome(pieces, None, started, self.clock())
+            error = None
         except Exception as exc:
             log.exception("runner %s: batch of %d rows failed", self.runner.name, sum(sizes))
-            return _Outcome(None, f"{type(exc).__name__}: {exc}", started, self.clock())
+            pieces, error = None, f"{type(exc).__name__}: {exc}"
+        return _Outcome(pieces, error, started, self.clock(), self.cpu_clock() - cpu)
 
     def _completed(self, batch: Batch, done: Future[_Outcome]) -> None:
         self._busy = False
         if done.cancelled():
             return
         outcome = done.result()
-        self.policy.complete(batch, outcome.started, outcome.finished)
-        self.metrics.batch(batch, outcome.started, outcome.finished)
+        self.policy.complete(batch, outcome.started, outcome.finished, outcome.cpu_s)
+        self.metrics.batch(batch, outcome.started, outcome.finished, outcome.cpu_s)
         if outcome.pieces is None:
             rejection = Rejection(FailureCode.MODEL_ERROR, f"the model failed: {outcome.error}")
             for request in batch.requests:

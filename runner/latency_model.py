@@ -1,45 +1,84 @@
-"""The batch latency model: processing time as a line in batch rows, with a high quantile.
+"""The batch latency model: a CPU cost curve in batch rows, stretched by the machine's contention.
 
 A policy asks two questions many times a second: how long will a batch of `n` rows take on
 average (to decide whether waiting pays), and how long may it take in the bad case (to promise
-deadlines). Both are answered from a `Fit`, a frozen value of four floats, so the hot path does a
-multiply and an add. The fit itself (scikit-learn, a few milliseconds) runs on a snapshot of
-samples, off the request's critical path: see `fit_samples` and docs/dispatcher.md.
+deadlines). Both are answered from a `Fit`, a frozen value of a few floats, so the hot path does
+a multiply and an add. The fit itself runs on a snapshot of samples, off the request's critical
+path: see `fit_samples` and docs/dispatcher.md.
 
-Why each choice:
-- A Huber fit, not plain least squares: one batch delayed by a GC pause or a noisy neighbour
-  must not tilt the line (issue #3).
-- Recency weights with a half-life counted in batches: after the cost of the model changes the
-  line follows within a few dozen batches, while a quiet period does not erase the fit.
-- Calibration samples (a few batch sizes timed on synthetic rows before the runner is ready) are
-  kept for the life of the process with a small weight: at low load every live batch has one
-  row, and without them slope and intercept could not be told apart (BentoML's failure).
-- The high quantile is the mean times `1 + k * spread`, where spread is a robust (MAD) estimate
-  of the relative residual: batch time noise is roughly multiplicative.
+Why two parts:
+- The cost curve `b + a*n` is fitted on the model thread's CPU time, not its wall time. On
+  shared cores the wall time of a batch also holds waits for a core and for the GIL, which do
+  not grow with its rows but do come in episodes: a slow batch lets more requests queue, so
+  the next batch is both large and slow, and a line fitted on wall time takes that for cost
+  per row (slopes 30 times the truth were seen live). CPU time has none of those waits.
+  A model that mostly waits (on a GPU, a sleep, I/O) costs its thread little CPU, so the
+  calibration decides the unit: CPU seconds when the model kept its thread busy for at least
+  half of each calibration batch, wall seconds otherwise.
+- The stretch is what requests actually feel: wall time over the curve, a robust median over
+  the recent batches. It carries contention, GC pauses and the like as one factor. It moves
+  at most `MAX_MOVE`-fold per refit and follows a shift in either direction (`shift`), so
+  one burst cannot fling the model far and no state outlives the batches that disprove it.
+- A Huber fit for the curve: one batch delayed by a page fault must not tilt it. Recency
+  weights with a half-life counted in batches follow a change of cost within a few dozen
+  batches. Calibration samples (a few batch sizes timed before the runner is ready) stay with
+  a small weight: at low load every live batch has one row, and without them slope and
+  intercept could not be told apart (BentoML's failure).
+- The high quantile is the mean times a factor: `1 + k * spread`, where spread is a robust
+  (MAD) estimate of the relative deviation of the stretch (batch time noise is
+  multiplicative), or the recent stretches' own 99th percentile over their median if that
+  is more: contention on shared cores has a heavier tail than a normal law, and a promise
+  must cover the tail that is there.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 MAD_TO_SIGMA = 1.4826  # scales a median absolute deviation to a normal standard deviation
 HUBER_EPSILON = 1.345  # residuals beyond this many sigmas count linearly, not squared
 HUBER_ROUNDS = 4
+MAX_MOVE = 4.0
+"""The stretch moves at most this factor per refit, and a cost shift scales the calibration
+by at most this factor: a burst of stalls moves the model a bounded step, while a lasting
+change is followed within a few refits."""
+SHIFT_RUN = 3
+"""Batches in a row beyond the high quantile, or below its mirror (mean / factor), that mean
+the machine has changed (by chance, rarer than one in a million batches)."""
+TAIL_QUANTILE = 0.99
+FEW_RECENT = 16
+"""With fewer recent batches than this, the spread is not allowed to fall below the last."""
+
+
+class Timing(NamedTuple):
+    """One batch timed before traffic: its rows, wall seconds and model-thread CPU seconds."""
+
+    rows: int
+    wall_s: float
+    cpu_s: float
 
 
 @dataclass(frozen=True, slots=True)
 class Fit:
-    """Batch time in seconds: mean(n) = intercept + slope * n; high(n) = mean(n) * factor."""
+    """Batch wall time in seconds: mean(n) = intercept + slope * n; high(n) = mean(n) * factor.
+
+    `stretch` is the factor by which wall time exceeded the cost curve lately, so
+    `cost(n) = mean(n) / stretch` is what the batch costs on an idle machine.
+    """
 
     intercept_s: float = 0.0
     slope_s: float = 0.0
     spread: float = 0.0
     factor: float = 1.0
     samples: int = 0
+    stretch: float = 1.0
+    cost_factor: float = 1.0
 
     def mean(self, rows: int) -> float:
         return self.intercept_s + self.slope_s * rows
@@ -47,20 +86,51 @@ class Fit:
     def high(self, rows: int) -> float:
         return (self.intercept_s + self.slope_s * rows) * self.factor
 
+    def cost(self, rows: int) -> float:
+        return (self.intercept_s + self.slope_s * rows) / self.stretch
+
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """The inputs of one refit, copied so the fit can run on another thread."""
 
     rows: tuple[int, ...]
-    seconds: tuple[float, ...]
+    cost_s: tuple[float, ...]
     weights: tuple[float, ...]
+    recent_rows: tuple[int, ...]
+    recent_wall_s: tuple[float, ...]
+    half_life: float
+    previous: Fit
     quantile_k: float
     min_spread: float
 
 
+class Shifts:
+    """Counts batches in a row on one side of a band around the prediction."""
+
+    __slots__ = ("side", "ratios")
+
+    def __init__(self) -> None:
+        self.side = 0
+        self.ratios: list[float] = []
+
+    def observe(self, ratio: float, factor: float) -> float | None:
+        """`ratio` is measured over predicted; the median ratio once SHIFT_RUN in a row fell
+        beyond `factor` on the same side, else None."""
+        side = 1 if ratio > factor else -1 if ratio * factor < 1.0 else 0
+        if side == 0 or side != self.side:
+            self.side, self.ratios = side, [ratio] if side else []
+            return None
+        self.ratios.append(ratio)
+        if len(self.ratios) < SHIFT_RUN:
+            return None
+        shift = sorted(self.ratios)[len(self.ratios) // 2]
+        self.side, self.ratios = 0, []
+        return shift
+
+
 class LatencyModel:
-    """A sliding window of measured batches plus the calibration samples, and the current fit.
+    """Measured batches (rows, wall, CPU) plus the calibration samples, and the current fit.
 
     Owns no clock: samples are ordered by arrival, and recency is counted in batches.
     """
@@ -69,69 +139,138 @@ class LatencyModel:
         self,
         *,
         window: int = 128,
+        stretch_window: int = 256,
         half_life: float = 32.0,
         calibration_weight: float = 0.1,
         quantile_k: float = 3.0,
         min_spread: float = 0.01,
     ) -> None:
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self.calibration: list[tuple[int, float]] = []
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)  # rows, cost seconds
+        self.recent: deque[tuple[int, float]] = deque(maxlen=stretch_window)  # rows, wall
+        self.calibration: list[tuple[int, float]] = []  # rows, cost seconds
+        self.cpu_bound = True
         self.half_life = half_life
         self.calibration_weight = calibration_weight
         self.quantile_k = quantile_k
         self.min_spread = min_spread
         self.fit = Fit()
+        self._cost_shifts = Shifts()
+        self._stretch_shifts = Shifts()
 
-    def add(self, rows: int, seconds: float) -> None:
-        self.samples.append((rows, seconds))
+    def add(self, rows: int, wall_s: float, cpu_s: float) -> bool:
+        """Record one batch; True when it completes a shift, so a refit is due at once.
 
-    def add_calibration(self, rows: int, seconds: float) -> None:
-        self.calibration.append((rows, seconds))
-
-    def restart(self, keep_last: int, slowdown: float) -> None:
-        """The cost changed: drop all but the newest live samples, which old ones would now
-        contradict, and scale the calibration by the slowdown those newest ones show.
-
-        Unscaled, the calibration would pull the next fit halfway back to the old cost and
-        the residual spread, hence every promise, would balloon until the window refills.
+        A shift in cost (CPU time, or wall time for a model that waits) is a change of the
+        model's own cost: the curve restarts from the
+        newest batches and the calibration is scaled by the shift (at most MAX_MOVE-fold), or
+        it would pull every later fit back to the old cost. A shift in wall time against the
+        curve is a change of contention: only the stretch restarts. Either way, in both
+        directions, so the model comes back down when batches are fast again.
         """
-        while len(self.samples) > keep_last:
-            self.samples.popleft()
-        self.calibration = [(rows, seconds * slowdown) for rows, seconds in self.calibration]
+        spent = cpu_s if self.cpu_bound else wall_s
+        self.samples.append((rows, spent))
+        self.recent.append((rows, wall_s))
+        fit = self.fit
+        if not fit.samples:
+            return False
+        cost = self._cost_shifts.observe(spent / max(fit.cost(rows), 1e-9), fit.cost_factor)
+        if cost is not None:
+            self._restart(self.samples)
+            scale = min(max(cost, 1.0 / MAX_MOVE), MAX_MOVE)
+            self.calibration = [(n, seconds * scale) for n, seconds in self.calibration]
+        wall = self._stretch_shifts.observe(wall_s / max(fit.mean(rows), 1e-9), fit.factor)
+        if wall is not None:
+            self._restart(self.recent)
+        return cost is not None or wall is not None
+
+    @staticmethod
+    def _restart(samples: deque[tuple[int, float]]) -> None:
+        while len(samples) > SHIFT_RUN:
+            samples.popleft()
+
+    def calibrate(self, timings: Sequence[Timing]) -> None:
+        """Batches (rows, wall, CPU seconds) timed before any traffic: they choose the unit
+        of the cost curve, anchor its shape, and are the stretch's first samples."""
+        shares = sorted(cpu / wall for _, wall, cpu in timings if wall > 0.0)
+        self.cpu_bound = not shares or shares[len(shares) // 2] >= 0.5
+        self.calibration = [(n, cpu if self.cpu_bound else wall) for n, wall, cpu in timings]
+        self.recent.clear()
+        self.recent.extend((n, wall) for n, wall, _ in timings)
 
     def snapshot(self) -> Snapshot:
         live = list(self.samples)
-        decay = 0.5 ** (1.0 / self.half_life)
-        count = len(live)
-        weights = [decay ** (count - 1 - i) for i in range(count)]
+        weights = _recency(len(live), self.half_life)
         weights += [self.calibration_weight] * len(self.calibration)
         every = live + self.calibration
+        recent = list(self.recent)
         return Snapshot(
             rows=tuple(rows for rows, _ in every),
-            seconds=tuple(seconds for _, seconds in every),
+            cost_s=tuple(seconds for _, seconds in every),
             weights=tuple(weights),
+            recent_rows=tuple(rows for rows, _ in recent),
+            recent_wall_s=tuple(wall for _, wall in recent),
+            half_life=self.half_life,
+            previous=self.fit,
             quantile_k=self.quantile_k,
             min_spread=self.min_spread,
         )
 
 
+def _recency(count: int, half_life: float) -> list[float]:
+    """Weights that halve every `half_life` samples back from the newest (last)."""
+    decay = 0.5 ** (1.0 / half_life)
+    return [decay ** (count - 1 - i) for i in range(count)]
+
+
 def fit_samples(snapshot: Snapshot) -> Fit:
-    """Fit mean and high quantile of batch time on rows; pure, safe to run on any thread."""
+    """Fit the cost curve, then the stretch and its spread; pure, safe to run on any thread."""
     if not snapshot.rows:
-        return Fit()
+        return snapshot.previous
     rows = np.asarray(snapshot.rows, dtype=float)
-    millis = np.asarray(snapshot.seconds, dtype=float) * 1000.0  # Huber's tolerances like ms
+    millis = np.asarray(snapshot.cost_s, dtype=float) * 1000.0  # Huber's tolerances like ms
     weights = np.asarray(snapshot.weights, dtype=float)
     intercept, slope = _line(rows, millis, weights)
-    predicted = np.maximum(intercept + slope * rows, 1e-9)
-    spread = max(_robust_spread(millis / predicted - 1.0, weights), snapshot.min_spread)
-    return Fit(
-        intercept_s=intercept / 1000.0,
-        slope_s=slope / 1000.0,
-        spread=spread,
-        factor=1.0 + snapshot.quantile_k * spread,
-        samples=len(snapshot.rows),
+    cost_spread = max(
+        _robust_spread(millis / np.maximum(intercept + slope * rows, 1e-9) - 1.0, weights),
+        snapshot.min_spread,
     )
+    if snapshot.recent_rows:
+        recent = np.asarray(snapshot.recent_rows, dtype=float)
+        curve = np.maximum(intercept + slope * recent, 1e-9)
+        stretches = np.asarray(snapshot.recent_wall_s, dtype=float) * 1000.0 / curve
+        stretch, spread = _stretch(stretches, snapshot.half_life, snapshot.previous)
+        tail = _quantile(stretches, TAIL_QUANTILE) / stretch
+    else:
+        stretch, spread, tail = snapshot.previous.stretch, cost_spread, 1.0
+    spread = max(spread, snapshot.min_spread)
+    return Fit(
+        intercept_s=stretch * intercept / 1000.0,
+        slope_s=stretch * slope / 1000.0,
+        spread=spread,
+        factor=max(1.0 + snapshot.quantile_k * spread, tail),
+        samples=len(snapshot.rows),
+        stretch=stretch,
+        cost_factor=1.0 + snapshot.quantile_k * cost_spread,
+    )
+
+
+def _stretch(stretches: np.ndarray, half_life: float, previous: Fit) -> tuple[float, float]:
+    """The recency-weighted median stretch, moved at most MAX_MOVE-fold from the last, and
+    the spread of stretches around it."""
+    weights = np.asarray(_recency(stretches.size, half_life))
+    median = _weighted_median(stretches, weights)
+    if previous.samples:
+        median = min(max(median, previous.stretch / MAX_MOVE), previous.stretch * MAX_MOVE)
+    spread = _robust_spread(stretches / median - 1.0, weights)
+    if stretches.size < FEW_RECENT:
+        spread = max(spread, previous.spread)
+    return median, spread
+
+
+def _quantile(values: np.ndarray, q: float) -> float:
+    """The q-quantile of the values; the largest when there are too few to tell."""
+    ordered = np.sort(values)
+    return float(ordered[min(ordered.size - 1, int(q * ordered.size))])
 
 
 def _line(rows: np.ndarray, millis: np.ndarray, weights: np.ndarray) -> tuple[float, float]:
@@ -154,24 +293,31 @@ def _through_origin(rows: np.ndarray, millis: np.ndarray, weights: np.ndarray) -
 
 
 def _huber(rows: np.ndarray, millis: np.ndarray, weights: np.ndarray) -> tuple[float, float]:
-    """A Huber M-estimate by iteratively reweighted least squares.
+    """A Huber M-estimate by iteratively reweighted least squares, each round in closed form.
 
-    scikit-learn's `HuberRegressor` does the same job through L-BFGS and costs ~80 ms here;
-    four weighted `LinearRegression` solves cost ~3 ms and give the same line.
+    One feature needs no solver: four weighted means per round, some microseconds in all,
+    where scikit-learn's estimators held the GIL for milliseconds beside the model thread.
     """
-    from sklearn.linear_model import LinearRegression
-
-    features = rows.reshape(-1, 1)
-    model = LinearRegression()
     robust = np.ones_like(weights)
+    intercept = slope = 0.0
     for _ in range(HUBER_ROUNDS):
-        model.fit(features, millis, sample_weight=weights * robust)
-        residual = millis - model.predict(features)
+        intercept, slope = _weighted_line(rows, millis, weights * robust)
+        residual = millis - (intercept + slope * rows)
         scale = MAD_TO_SIGMA * _weighted_median(np.abs(residual), weights)
         if scale <= 0.0:
             break
         robust = np.minimum(1.0, HUBER_EPSILON * scale / np.maximum(np.abs(residual), 1e-12))
-    return float(model.intercept_), float(model.coef_[0])
+    return intercept, slope
+
+
+def _weighted_line(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    total = float(np.sum(w))
+    mean_x = float(np.dot(w, x)) / total
+    mean_y = float(np.dot(w, y)) / total
+    dx = x - mean_x
+    spread_x = float(np.dot(w, dx * dx))
+    slope = float(np.dot(w, dx * (y - mean_y))) / spread_x if spread_x > 0.0 else 0.0
+    return mean_y - slope * mean_x, slope
 
 
 def _robust_spread(relative: np.ndarray, weights: np.ndarray) -> float:

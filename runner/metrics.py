@@ -30,6 +30,16 @@ batch_duration = Histogram(
     "batchserve_batch_duration_seconds", "Processing time of each batch (join, model, split)",
     ["runner"], buckets=SECONDS_BUCKETS,
 )
+RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+batch_time_ratio = Histogram(
+    "batchserve_batch_time_ratio",
+    "Each batch's wall time over the high-quantile time the latency model predicted for it",
+    ["runner"], buckets=RATIO_BUCKETS,
+)
+batch_cpu = Histogram(
+    "batchserve_batch_cpu_seconds", "CPU time of the model thread per batch",
+    ["runner"], buckets=SECONDS_BUCKETS,
+)
 rejections = Counter(
     "batchserve_rejections_total", "Requests the runner answered without running them",
     ["runner", "reason"],
@@ -63,12 +73,17 @@ class RunnerMetrics:
         self._batch_size = batch_size.labels(runner, METHOD)
         self._queue_wait = queue_wait.labels(runner)
         self._duration = batch_duration.labels(runner)
+        self._ratio = batch_time_ratio.labels(runner)
+        self._cpu = batch_cpu.labels(runner)
         self._gauges = {field: gauge.labels(runner) for field, gauge in gauges.items()}
         self._published = 0.0
 
-    def batch(self, batch: Batch, started: float, finished: float) -> None:
+    def batch(self, batch: Batch, started: float, finished: float, cpu_s: float) -> None:
         self._batch_size.observe(batch.rows)
         self._duration.observe(finished - started)
+        self._cpu.observe(cpu_s)
+        if batch.predicted_s > 0.0:
+            self._ratio.observe((finished - started) / batch.predicted_s)
         batches.labels(self.runner, batch.reason).inc()
         observe = self._queue_wait.observe
         for request in batch.requests:

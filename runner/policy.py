@@ -5,7 +5,7 @@ discrete-event simulator (`runner.simulate`) drive the very same object through 
 
     offer(request, now) -> bool         admit a request, or refuse it at once (HTTP 503)
     poll(now) -> Step                   when the model is free, after an arrival, on a wake-up
-    complete(batch, started, finished)  the measured processing time of a released batch
+    complete(batch, started, finished, cpu_s)  a released batch's measured wall and CPU time
     stats(now) -> PolicyStats           a snapshot for metrics
 
 At most one batch is in flight: `poll` returns a batch only when the previous one completed.
@@ -20,9 +20,11 @@ without any compute spent on them.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+from runner.latency_model import Timing
 
 Reason = Literal["idle", "full", "deadline", "window", "cap"]
 """Why a batch was released: the model was idle with work queued (`idle`), the batch reached
@@ -42,8 +44,12 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
+    """Requests released together, why, and the high-quantile time the policy predicted for
+    them (0 for a policy without a latency model), so the prediction can be checked."""
+
     requests: tuple[Request, ...]
     reason: Reason
+    predicted_s: float = field(default=0.0, compare=False)
 
     @property
     def rows(self) -> int:
@@ -78,7 +84,12 @@ class Policy(Protocol):
 
     def poll(self, now: float) -> Step: ...
 
-    def complete(self, batch: Batch, started: float, finished: float) -> None: ...
+    def complete(
+        self, batch: Batch, started: float, finished: float, cpu_s: float | None = None
+    ) -> None:
+        """The batch ran from `started` to `finished` on the clock, using `cpu_s` seconds of the
+        model thread's CPU (None where the source cannot tell: taken as the wall time)."""
+        ...
 
     def stats(self, now: float) -> PolicyStats: ...
 
@@ -86,8 +97,8 @@ class Policy(Protocol):
         """Batch sizes (rows) the runner times on synthetic rows before it reports ready."""
         ...
 
-    def calibrate(self, rows: int, seconds: float) -> None:
-        """One measured calibration batch."""
+    def calibrate(self, timings: Sequence[Timing]) -> None:
+        """The calibration batches, timed on synthetic rows."""
         ...
 
     def refit_job(self, now: float) -> Callable[[], Any] | None:
@@ -118,7 +129,7 @@ class WithoutModel:
     def calibration_sizes(self) -> tuple[int, ...]:
         return ()
 
-    def calibrate(self, rows: int, seconds: float) -> None:
+    def calibrate(self, timings: Sequence[Timing]) -> None:
         pass
 
     def refit_job(self, now: float) -> Callable[[], Any] | None:
@@ -155,7 +166,9 @@ class GreedyPolicy(WithoutModel):
         reason: Reason = "full" if rows >= self.cap else "idle"
         return Step(batch=Batch(taken, reason), expired=tuple(expired))
 
-    def complete(self, batch: Batch, started: float, finished: float) -> None:
+    def complete(
+        self, batch: Batch, started: float, finished: float, cpu_s: float | None = None
+    ) -> None:
         self.busy = False
 
     def stats(self, now: float) -> PolicyStats:

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from runner.latency_model import Timing
 from runner.policy import Batch, Policy, Request, make_policy
 from runner.scenario import Cost, Phase, Scenario, load_scenario
 
@@ -115,8 +116,11 @@ def simulate(
 
 def _calibrate(policy: Policy, cost: Cost, noise: random.Random) -> None:
     """Time the policy's calibration sizes before traffic, as the live runner does."""
+    timings = []
     for rows in policy.calibration_sizes():
-        policy.calibrate(rows, cost.mean_s(rows) * noise.lognormvariate(0.0, cost.noise))
+        seconds = cost.mean_s(rows) * noise.lognormvariate(0.0, cost.noise)
+        timings.append(Timing(rows, seconds, seconds))
+    policy.calibrate(timings)
 
 
 def _run(
@@ -141,7 +145,7 @@ def _run(
             break
         if done_at <= arrival and done_at <= wake:
             assert running is not None
-            policy.complete(running, started, done_at)
+            policy.complete(running, started, done_at, done_at - started)
             _answered(trace, running, done_at)
             running, done_at = None, inf
             _refit(policy, now, trace)

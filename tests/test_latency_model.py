@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from runner.latency_model import Fit, LatencyModel, RateEstimator, fit_samples
+from runner.latency_model import Fit, LatencyModel, RateEstimator, Timing, fit_samples
 
 INTERCEPT_S = 0.005
 SLOPE_S = 0.0005
@@ -16,10 +16,15 @@ def batch_time(rows: int, rng: random.Random, noise: float = 0.05) -> float:
     return (INTERCEPT_S + SLOPE_S * rows) * rng.lognormvariate(0.0, noise)
 
 
+def add(model: LatencyModel, rows: int, seconds: float) -> None:
+    """A batch on an idle machine: its wall time is its CPU time."""
+    model.add(rows, seconds, seconds)
+
+
 def calibrated(rng: random.Random) -> LatencyModel:
     model = LatencyModel()
-    for rows in (1, 2, 4, 8, 16, 32, 64) * 2:
-        model.add_calibration(rows, batch_time(rows, rng))
+    times = [(rows, batch_time(rows, rng)) for rows in (1, 2, 4, 8, 16, 32, 64) * 2]
+    model.calibrate([Timing(rows, seconds, seconds) for rows, seconds in times])
     return model
 
 
@@ -28,7 +33,7 @@ def test_recovers_coefficients_from_mixed_sizes() -> None:
     model = LatencyModel()
     for _ in range(128):
         rows = rng.randint(1, 64)
-        model.add(rows, batch_time(rows, rng))
+        add(model, rows, batch_time(rows, rng))
     fit = fit_samples(model.snapshot())
     assert fit.intercept_s == pytest.approx(INTERCEPT_S, rel=0.1)
     assert fit.slope_s == pytest.approx(SLOPE_S, rel=0.05)
@@ -39,7 +44,7 @@ def test_all_batches_of_one_are_well_posed_with_calibration() -> None:
     rng = random.Random(2)
     model = calibrated(rng)
     for _ in range(128):
-        model.add(1, batch_time(1, rng))
+        add(model, 1, batch_time(1, rng))
     fit = fit_samples(model.snapshot())
     assert fit.intercept_s == pytest.approx(INTERCEPT_S, rel=0.1)
     assert fit.slope_s == pytest.approx(SLOPE_S, rel=0.1)
@@ -48,7 +53,7 @@ def test_all_batches_of_one_are_well_posed_with_calibration() -> None:
 def test_one_size_without_calibration_is_a_cautious_line_through_the_origin() -> None:
     model = LatencyModel()
     for _ in range(10):
-        model.add(1, 0.0055)
+        add(model, 1, 0.0055)
     fit = fit_samples(model.snapshot())
     assert fit.intercept_s == 0.0
     assert fit.slope_s == pytest.approx(0.0055)
@@ -61,7 +66,7 @@ def test_outliers_do_not_tilt_the_line() -> None:
     for i in range(128):
         rows = rng.randint(1, 64)
         slow = 5.0 if i % 20 == 0 else 1.0  # a GC pause every 20 batches
-        model.add(rows, batch_time(rows, rng) * slow)
+        add(model, rows, batch_time(rows, rng) * slow)
     fit = fit_samples(model.snapshot())
     assert fit.intercept_s == pytest.approx(INTERCEPT_S, rel=0.15)
     assert fit.slope_s == pytest.approx(SLOPE_S, rel=0.1)
@@ -72,7 +77,7 @@ def test_high_quantile_covers_ninety_nine_percent() -> None:
     model = calibrated(rng)
     for _ in range(128):
         rows = rng.randint(1, 64)
-        model.add(rows, batch_time(rows, rng))
+        add(model, rows, batch_time(rows, rng))
     fit = fit_samples(model.snapshot())
     sizes = [rng.randint(1, 64) for _ in range(5000)]
     covered = sum(batch_time(rows, rng) <= fit.high(rows) for rows in sizes) / len(sizes)
@@ -85,19 +90,19 @@ def test_recent_batches_outweigh_old_ones_after_a_cost_change() -> None:
     model = LatencyModel(window=128, half_life=16)
     for _ in range(96):
         rows = rng.randint(1, 64)
-        model.add(rows, batch_time(rows, rng))
+        add(model, rows, batch_time(rows, rng))
     for _ in range(32):
         rows = rng.randint(1, 64)
-        model.add(rows, 2.0 * batch_time(rows, rng))
+        add(model, rows, 2.0 * batch_time(rows, rng))
     fit = fit_samples(model.snapshot())
     assert fit.slope_s == pytest.approx(2 * SLOPE_S, rel=0.15)
 
 
 def test_snapshot_weights_halve_every_half_life() -> None:
     model = LatencyModel(half_life=2, calibration_weight=0.25)
+    model.calibrate([Timing(8, 0.01, 0.01)])
     for rows in (1, 2, 3):
-        model.add(rows, 0.01)
-    model.add_calibration(8, 0.01)
+        add(model, rows, 0.01)
     snapshot = model.snapshot()
     assert snapshot.rows == (1, 2, 3, 8)
     assert snapshot.weights == pytest.approx((0.5, 2**-0.5, 1.0, 0.25))

@@ -6,7 +6,7 @@ import pytest
 
 from runner.adaptive import AdaptivePolicy, best_cap
 from runner.baselines import BentoMLPolicy, FixedPolicy, NoBatchingPolicy
-from runner.latency_model import Fit
+from runner.latency_model import Fit, Timing
 from runner.policy import Batch, GreedyPolicy, Request, Step, make_policy
 
 SLO = 0.1
@@ -18,7 +18,7 @@ def request(ident: int, at: float, rows: int = 1, slo: float = SLO) -> Request:
 
 def adaptive(intercept: float = 0.005, slope: float = 0.0005, size: int = 64) -> AdaptivePolicy:
     policy = AdaptivePolicy(size, SLO)
-    policy.apply_fit(Fit(intercept_s=intercept, slope_s=slope, factor=1.0))
+    policy.apply_fit(Fit(intercept_s=intercept, slope_s=slope, factor=1.0, samples=1))
     return policy
 
 
@@ -172,55 +172,58 @@ def test_cap_never_exceeds_max_batch_size() -> None:
 
 
 def drive(
-    policy: AdaptivePolicy, batches: int, seconds: float, start: float = 0.0, rows: int = 1
+    policy: AdaptivePolicy, batches: int, seconds: float | None, start: float = 0.0,
+    rows: int = 1,
 ) -> float:
+    """Batches of `rows`, one every 50 ms, each taking `seconds` (None: as fitted)."""
     now = start
     for i in range(batches):
         policy.offer(request(i, now, rows), now)
         batch = policy.poll(now).batch
         assert batch is not None
-        policy.complete(batch, now, now + seconds)
+        took = policy.stats(now).intercept_s + policy.stats(now).slope_s * rows
+        policy.complete(batch, 0.0, took if seconds is None else seconds)
         now += 0.05
     return now
 
 
 def test_refit_jobs_need_sixteen_batches_64_rows_and_a_quarter_second() -> None:
     policy = adaptive()
-    now = drive(policy, 15, 0.005, start=1.0, rows=5)  # a batch of 5 rows every 50 ms
+    now = drive(policy, 15, None, start=1.0, rows=5)  # a batch of 5 rows every 50 ms
     assert policy.refit_job(now) is None  # 15 batches
-    now = drive(policy, 1, 0.005, now, rows=5)
+    now = drive(policy, 1, None, now, rows=5)
     job = policy.refit_job(now)  # 16 batches, 80 rows, and the first refit
     assert job is not None
-    now = drive(policy, 4, 0.005, now, rows=20)  # 80 rows, but 4 batches
+    now = drive(policy, 4, None, now, rows=20)  # 80 rows, but 4 batches
     fit = job()
     assert isinstance(fit, Fit)
     policy.apply_fit(fit)
     assert policy.refit_job(now) is None
-    now = drive(policy, 12, 0.005, now, rows=1)  # 16 batches, 92 rows, 0.8 s
+    now = drive(policy, 12, None, now, rows=1)  # 16 batches, 92 rows, 0.8 s
     assert policy.refit_job(now) is not None
     assert policy.stats(now).intercept_s == fit.intercept_s
 
 
 def test_at_low_load_refits_wait_for_64_new_rows() -> None:
     policy = adaptive()
-    now = drive(policy, 63, 0.005, start=1.0)  # one row a batch
+    now = drive(policy, 63, None, start=1.0)  # one row a batch
     assert policy.refit_job(now) is None
-    assert policy.refit_job(drive(policy, 1, 0.005, now)) is not None
+    assert policy.refit_job(drive(policy, 1, None, now)) is not None
 
 
 def test_a_second_refit_waits_while_the_first_runs() -> None:
     policy = adaptive()
-    now = drive(policy, 16, 0.005, start=1.0, rows=10)
+    now = drive(policy, 16, None, start=1.0, rows=10)
     assert policy.refit_job(now) is not None
-    now = drive(policy, 40, 0.005, now, rows=10)  # 2 s and 400 rows later, never applied
+    now = drive(policy, 40, None, now, rows=10)  # 2 s and 400 rows later, never applied
     assert policy.refit_job(now) is None
 
 
 def test_a_failed_refit_stops_blocking_after_a_while() -> None:
     policy = adaptive()
-    now = drive(policy, 16, 0.005, rows=4)
+    now = drive(policy, 16, None, rows=4)
     assert policy.refit_job(now) is not None  # and never applied
-    now = drive(policy, 16, 0.005, now, rows=4)
+    now = drive(policy, 16, None, now, rows=4)
     assert policy.refit_job(now) is None
     assert policy.refit_job(now + 10.0) is not None
 
@@ -235,8 +238,8 @@ def test_three_slow_batches_in_a_row_trigger_a_refit_at_once() -> None:
 
 def test_after_the_cost_doubles_the_refit_follows_with_a_tight_spread() -> None:
     policy = AdaptivePolicy(64, SLO)
-    for rows in policy.calibration_sizes():
-        policy.calibrate(rows, 0.005 + 0.0005 * rows)
+    policy.calibrate([Timing(rows, 0.005 + 0.0005 * rows, 0.005 + 0.0005 * rows)
+                      for rows in policy.calibration_sizes()])
     now = 1.0
     for rows in (10, 12, 14):  # three batches at twice the calibrated cost
         policy.offer(request(rows, now, rows), now)
@@ -257,8 +260,8 @@ def test_calibration_sizes_and_a_fit_right_after_calibration() -> None:
     assert AdaptivePolicy(64, SLO).calibration_sizes() == (1, 2, 4, 8, 16, 32, 64) * 2
     assert AdaptivePolicy(10, SLO).calibration_sizes() == (1, 2, 4, 8, 10) * 2
     policy = AdaptivePolicy(64, SLO)
-    for rows in policy.calibration_sizes():
-        policy.calibrate(rows, 0.005 + 0.0005 * rows)
+    policy.calibrate([Timing(rows, 0.005 + 0.0005 * rows, 0.005 + 0.0005 * rows)
+                      for rows in policy.calibration_sizes()])
     stats = policy.stats(0.0)
     assert stats.intercept_s == pytest.approx(0.005, rel=1e-3)
     assert stats.slope_s == pytest.approx(0.0005, rel=1e-3)
