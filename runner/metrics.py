@@ -8,7 +8,10 @@ a dead runner's gauges disappear when the supervisor marks it dead.
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
+from typing import TextIO
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -63,6 +66,26 @@ gauges = {
 }
 
 
+BATCH_LOG_ENV = "BATCHSERVE_BATCH_LOG"
+BATCH_LOG_HEADER = "rows,wall_s,cpu_s\n"
+
+
+def open_batch_log(runner: str) -> TextIO | None:
+    """`$BATCHSERVE_BATCH_LOG/<runner>-<pid>.csv` when that folder is named, else None.
+
+    One line per batch (rows, wall and CPU seconds): what the simulator replays
+    (`cost: {replay: FILE}`) to meet the batch times of a real machine.
+    """
+    folder = os.environ.get(BATCH_LOG_ENV)
+    if not folder:
+        return None
+    path = Path(folder) / f"{runner}-{os.getpid()}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = path.open("w", buffering=1 << 16)
+    log.write(BATCH_LOG_HEADER)
+    return log
+
+
 class RunnerMetrics:
     """The metric children of one runner, resolved once so the hot path does no lookups."""
 
@@ -77,6 +100,7 @@ class RunnerMetrics:
         self._cpu = batch_cpu.labels(runner)
         self._gauges = {field: gauge.labels(runner) for field, gauge in gauges.items()}
         self._published = 0.0
+        self._log = open_batch_log(runner)
 
     def batch(self, batch: Batch, started: float, finished: float, cpu_s: float) -> None:
         self._batch_size.observe(batch.rows)
@@ -88,6 +112,13 @@ class RunnerMetrics:
         observe = self._queue_wait.observe
         for request in batch.requests:
             observe(max(0.0, started - request.arrival))
+        if self._log is not None:
+            self._log.write(f"{batch.rows},{finished - started:.7f},{cpu_s:.7f}\n")
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def rejected(self, reason: str, count: int = 1) -> None:
         rejections.labels(self.runner, reason).inc(count)

@@ -126,7 +126,8 @@ def build_policy(runner: RunnerConfig) -> Policy:
 async def serve(config: Config, runner: RunnerConfig, address: Address) -> None:
     """Load, calibrate, listen until SIGTERM/SIGINT, then drain."""
     model = models.load(config, runner)
-    dispatcher = Dispatcher(runner, model, build_policy(runner), RunnerMetrics(runner.name))
+    metrics = RunnerMetrics(runner.name)
+    dispatcher = Dispatcher(runner, model, build_policy(runner), metrics)
     await dispatcher.start()
     if address.scheme == "unix":
         with contextlib.suppress(FileNotFoundError):
@@ -148,6 +149,7 @@ async def serve(config: Config, runner: RunnerConfig, address: Address) -> None:
     if address.scheme == "unix":
         with contextlib.suppress(FileNotFoundError):
             os.unlink(address.target)
+    metrics.close()
 
 
 def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
