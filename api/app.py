@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 
@@ -36,12 +37,14 @@ from api.errors import (
     BadRequest,
     BatchserveError,
     ModelNotFound,
+    Overloaded,
     PayloadTooLarge,
     RunnerUnavailable,
     SloRefused,
     Unavailable,
     error_response,
 )
+from api.overload import Shedder, watch
 from runner.config import Config, RunnerConfig
 from runner.metrics import SECONDS_BUCKETS
 from runner.wire import Address, FailureCode, Tensors
@@ -92,6 +95,8 @@ class Service:
     def __init__(self, config: Config, addresses: Mapping[str, Sequence[Address]]) -> None:
         self.config = config
         self.pools = {name: Pool(name, addresses.get(name, ())) for name in config.runners}
+        self.shedder = Shedder()
+        self.inflight = 0
         self._ok = {
             name: (request_duration.labels(name, "200"), requests_total.labels(name, "200"))
             for name in config.runners
@@ -109,18 +114,30 @@ class Service:
         started = time.monotonic()
         parts = scope["path"].split("/")
         name = parts[3]
+        self.inflight += 1
         try:
             runner = self.runner(name, parts[5] if len(parts) == 7 else None)
+            self._shed()
             status, content, headers = 200, *await self._infer(scope, receive, runner)
         except Exception as exc:
             if not isinstance(exc, BatchserveError):
                 log.exception("unexpected error answering a request", exc_info=exc)
             status, content, headers = error_response(exc)
+        finally:
+            self.inflight -= 1
         await send({"type": "http.response.start", "status": status,
                     "headers": _raw_headers(headers, len(content))})
         await send({"type": "http.response.body", "body": content})
         if name in self._ok:
             self._observe(name, status, started)
+
+    def _shed(self) -> None:
+        """Refuse before any work when this worker is behind (see `api.overload`)."""
+        if self.inflight > self.config.api.max_inflight:
+            raise Overloaded(f"{self.inflight - 1} requests in flight in this API worker")
+        if not self.shedder.admits(random.random()):
+            lag_ms = self.shedder.lag_s * 1000.0
+            raise Overloaded(f"this API worker runs {lag_ms:.0f} ms behind")
 
     async def _infer(
         self, scope: Scope, receive: Receive, runner: RunnerConfig
@@ -243,7 +260,9 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]]) -> Ap
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         for pool in service.pools.values():
             pool.start()
+        watcher = asyncio.create_task(watch(service.shedder))
         yield
+        watcher.cancel()
         for pool in service.pools.values():
             await pool.close()
 

@@ -6,7 +6,8 @@
     ├── PayloadTooLarge        413  the body is over `api.max_body_bytes`
     └── Unavailable            503  try again later; answered with `Retry-After`
         ├── RunnerUnavailable       the runner process is down, restarting or unreachable
-        └── SloRefused              the runner refused: it cannot answer within its latency limit
+        ├── SloRefused              the runner refused: it cannot answer within its latency limit
+        └── Overloaded              the API worker is behind and sheds load at the front
 
 Library code raises these; one handler, `error_response`, turns any exception into the
 JSON body `{"error": "..."}` and its headers, so every route answers errors the same way.
@@ -24,6 +25,7 @@ __all__ = [
     "BadRequest",
     "BatchserveError",
     "ModelNotFound",
+    "Overloaded",
     "PayloadTooLarge",
     "RunnerUnavailable",
     "SloRefused",
@@ -97,6 +99,11 @@ class SloRefused(Unavailable):
             retry_after,
         )
         self.runner = runner
+
+
+class Overloaded(Unavailable):
+    def __init__(self, reason: str, retry_after: float = 1.0) -> None:
+        super().__init__(f"the server is overloaded ({reason}); retry later", retry_after)
 
 
 _JSON = "application/json"

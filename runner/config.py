@@ -80,6 +80,7 @@ class ApiConfig:
     port: int = 3000
     workers: int = 2
     max_body_bytes: int = 64 * 1024 * 1024
+    max_inflight: int = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +222,7 @@ def _fields(obj: Any) -> dict[str, Any]:
 
 
 def _api(key: str, value: Any) -> ApiConfig:
-    raw = _mapping(key, value, {"host", "port", "workers", "max_body_bytes"})
+    raw = _mapping(key, value, {"host", "port", "workers", "max_body_bytes", "max_inflight"})
     default = ApiConfig()
     port = _int(f"{key}.port", raw.get("port", default.port), 0)
     if port > 65535:
@@ -232,6 +233,9 @@ def _api(key: str, value: Any) -> ApiConfig:
         workers=_int(f"{key}.workers", raw.get("workers", default.workers), 1),
         max_body_bytes=_int(
             f"{key}.max_body_bytes", raw.get("max_body_bytes", default.max_body_bytes), 1
+        ),
+        max_inflight=_int(
+            f"{key}.max_inflight", raw.get("max_inflight", default.max_inflight), 1
         ),
     )
 

@@ -1,0 +1,125 @@
+"""Shedding at the front: a worker that falls behind refuses at once, and recovers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from api.app import create_app
+from api.overload import Shedder, watch
+from runner.config import parse
+from tests.conftest import Server
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def test_one_late_tick_sheds_nothing_and_two_in_a_row_start_shedding() -> None:
+    shedder = Shedder(target_s=0.005, step_up=0.05, step_down=0.01)
+    shedder.observe(0.050)
+    assert shedder.share == 0.0
+    shedder.observe(0.004)
+    shedder.observe(0.050)
+    assert shedder.share == 0.0  # the late ticks were not in a row
+    shedder.observe(0.050)
+    assert shedder.share == pytest.approx(0.05)
+    for _ in range(8):
+        shedder.observe(0.050)
+    assert shedder.share == pytest.approx(0.45)
+    assert not shedder.admits(0.44) and shedder.admits(0.45)
+
+
+def test_the_share_falls_back_when_the_lag_does_and_never_passes_the_ceiling() -> None:
+    shedder = Shedder(step_up=0.5, step_down=0.25, ceiling=0.9)
+    for _ in range(5):
+        shedder.observe(1.0)
+    assert shedder.share == 0.9
+    shedder.observe(0.0)
+    assert shedder.share == pytest.approx(0.65)
+    for _ in range(5):
+        shedder.observe(0.0)
+    assert shedder.share == 0.0
+    assert shedder.admits(0.0)
+
+
+async def test_watch_measures_how_long_the_loop_was_blocked() -> None:
+    shedder = Shedder()
+    task = asyncio.create_task(watch(shedder, period_s=0.02))
+    await asyncio.sleep(0.01)  # the watcher is now asleep on its 20 ms timer
+    time.sleep(0.05)  # noqa: ASYNC251 - the point: a blocked loop, its timer some 40 ms late
+    await asyncio.sleep(0.01)  # the late tick runs; the next is not due yet
+    task.cancel()
+    assert shedder.lag_s >= 0.035
+
+
+MLP_ONLY = """
+runners:
+  mlp:
+    model: runner.bundled:mlp
+    inputs: [{name: x, datatype: FP32, shape: [-1, 256]}]
+    outputs: [{name: y, datatype: FP32, shape: [-1, 16]}]
+"""
+
+
+async def test_a_shedding_worker_answers_503_with_retry_after_before_reading_the_body() -> None:
+    app = create_app(parse(__import__("yaml").safe_load(MLP_ONLY)), {})
+    app.service.shedder.share = 1.0
+    app.service.shedder.lag_s = 0.0123
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256], "data": [0] * 256}]}
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        answer = await client.post("/v2/models/mlp/infer", json=body)
+        unknown = await client.post("/v2/models/nope/infer", json=body)
+    assert answer.status_code == 503
+    assert answer.headers["retry-after"] == "1"
+    assert answer.json() == {
+        "error": "the server is overloaded (this API worker runs 12 ms behind); retry later"
+    }
+    assert unknown.status_code == 404  # a wrong URL is still told what is wrong
+    assert app.service.inflight == 0
+
+
+SLOW_TWO = """
+api: {{workers: 1, max_inflight: {limit}}}
+runners:
+  slow:
+    model: fixture_models:slow_echo
+    batching: {{max_batch_size: 8, max_latency_ms: 5000}}
+    inputs: [{{name: x, datatype: FP32, shape: [-1, 4]}}]
+    outputs: [{{name: y, datatype: FP32, shape: [-1, 4]}}]
+"""
+
+
+def test_requests_past_max_inflight_are_refused_and_the_connection_serves_on(
+    serve: object,
+) -> None:
+    server: Server = serve(SLOW_TWO.format(limit=2))  # type: ignore[operator]
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
+
+    def one(_: int) -> int:
+        with server.client() as client:
+            return client.post("/v2/models/slow/infer", json=body).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(one, range(8)))
+    assert sorted(codes) == [200, 200] + [503] * 6, codes
+    with server.client() as client:  # one keep-alive connection: refused, then served
+        with ThreadPoolExecutor(3) as pool:
+            busy = [pool.submit(one, i) for i in range(2)]
+            time.sleep(0.1)  # both in flight on the 300 ms model
+            refused = client.post("/v2/models/slow/infer", json=body)
+            assert [f.result() for f in busy] == [200, 200]
+        served = client.post("/v2/models/slow/infer", json=body)
+    assert refused.status_code == 503
+    assert refused.json()["error"] == (
+        "the server is overloaded (2 requests in flight in this API worker); retry later"
+    )
+    assert served.status_code == 200
