@@ -232,7 +232,10 @@ class Dispatcher:
             timer.handle = None
         timer.at = at
         if wake_at is not None and self._loop is not None:
-            timer.handle = self._loop.call_later(max(0.0, at - now), self._wake)
+            # Never sleep past the latency limit, whatever the policy asked: a clock that
+            # jumped or a wrong wake-up time costs one extra poll, never a stranded queue.
+            delay = min(max(0.0, at - now), self.max_latency_s)
+            timer.handle = self._loop.call_later(delay, self._wake)
 
     def _wake(self) -> None:
         self._timer.handle = None
@@ -267,20 +270,23 @@ class Dispatcher:
         return _Outcome(pieces, error, started, self.clock(), self.cpu_clock() - cpu)
 
     def _completed(self, batch: Batch, done: Future[_Outcome]) -> None:
+        """Answer the batch's requests, then poll again, whatever answering raised."""
         self._busy = False
-        if done.cancelled():
-            return
-        outcome = done.result()
-        self.policy.complete(batch, outcome.started, outcome.finished, outcome.cpu_s)
-        self.metrics.batch(batch, outcome.started, outcome.finished, outcome.cpu_s)
-        if outcome.pieces is None:
-            rejection = Rejection(FailureCode.MODEL_ERROR, f"the model failed: {outcome.error}")
-            for request in batch.requests:
-                self._answer(request.id, rejection)
-        else:
-            for request, piece in zip(batch.requests, outcome.pieces, strict=True):
-                self._answer(request.id, piece)
-        self._pump()
+        try:
+            if done.cancelled():
+                return
+            outcome = done.result()
+            self.policy.complete(batch, outcome.started, outcome.finished, outcome.cpu_s)
+            self.metrics.batch(batch, outcome.started, outcome.finished, outcome.cpu_s)
+            if outcome.pieces is None:
+                rejection = Rejection(FailureCode.MODEL_ERROR, f"the model failed: {outcome.error}")
+                for request in batch.requests:
+                    self._answer(request.id, rejection)
+            else:
+                for request, piece in zip(batch.requests, outcome.pieces, strict=True):
+                    self._answer(request.id, piece)
+        finally:
+            self._pump()
         self.metrics.publish(self.policy.stats(self.clock()))
         self._maybe_refit()
 
@@ -288,10 +294,13 @@ class Dispatcher:
         job = self._jobs.pop(ident, None)
         if job is None:
             return
-        if job.whole is None:
-            job.reply(result)
-        else:
-            self._answer_piece(job, result)
+        try:
+            if job.whole is None:
+                job.reply(result)
+            else:
+                self._answer_piece(job, result)
+        except Exception:  # one answer that cannot be sent must not strand the others
+            log.exception("runner %s: answering request %d failed", self.runner.name, ident)
 
     def _answer_piece(self, job: _Job, result: Tensors | Rejection) -> None:
         whole = job.whole

@@ -24,3 +24,10 @@ def busy_echo(x: np.ndarray) -> np.ndarray:
     """Takes 5 ms a batch whatever its size: a server of it is easy to overload."""
     time.sleep(0.005)
     return x
+
+
+def stall_echo(x: np.ndarray) -> np.ndarray:
+    """Echoes its input; a batch holding a -1 stalls for 200 ms first (a fault injected)."""
+    if (x == -1).any():
+        time.sleep(0.2)
+    return x

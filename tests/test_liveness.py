@@ -1,0 +1,241 @@
+"""Liveness: with requests queued and the model idle, a batch starts within the window.
+
+Faults are injected on the fake clock (the policy alone, every decision exact), in the live
+dispatcher (a real event loop and model thread), and in a real server: a model call that
+stalls, a refit that raises or takes a second, a clock that jumps, a burst of a thousand
+requests in ten milliseconds, an answer that cannot be sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from api.loadgen import run_load
+from runner.adaptive import AdaptivePolicy
+from runner.dispatcher import Rejection
+from runner.latency_model import Fit, Timing
+from runner.policy import Batch, Request
+from runner.wire import FailureCode, Tensors
+from tests.conftest import Server
+from tests.test_dispatcher import Gate, ask, dispatcher, rows
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def calibrated(size: int = 64, latency_s: float = 0.1) -> AdaptivePolicy:
+    policy = AdaptivePolicy(size, latency_s)
+    policy.calibrate([Timing(n, 0.005 + 0.0005 * n, 0.005 + 0.0005 * n)
+                      for n in policy.calibration_sizes()])
+    return policy
+
+
+def check_step(policy: AdaptivePolicy, now: float, running: bool, batch: Batch | None,
+               wake_at: float | None) -> None:
+    """The liveness rule at one poll of an idle model with work queued."""
+    queue = policy._queue  # noqa: SLF001 - the rule is about the queue the policy holds
+    if running or batch is not None or not queue:
+        return
+    assert wake_at is not None, "work queued, model idle, and no wake-up asked for"
+    assert now < wake_at <= queue[0].arrival + policy.window_s + 1e-12
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_on_the_fake_clock_a_batch_starts_within_the_window_whatever_happens(seed: int) -> None:
+    """Bursts, stalls of 200 ms, forward clock jumps and refits that never come back."""
+    rng = random.Random(seed)
+    policy = calibrated()
+    now, ident, running, done_at = 0.0, 0, None, float("inf")
+    wake = float("inf")
+    for _ in range(3000):
+        arrival = now + rng.expovariate(rng.choice((50.0, 2000.0, 1e5)))
+        if rng.random() < 0.01:
+            arrival += 10.0  # the clock jumps (a paused VM)
+        now = min(arrival, done_at, wake)
+        if now == done_at:
+            assert running is not None
+            stall = 0.2 if rng.random() < 0.02 else 0.0
+            policy.complete(running, now - 0.006, now + stall, 0.006)
+            running, done_at = None, float("inf")
+            job = policy.refit_job(now)
+            if job is not None and rng.random() < 0.7:  # else the refit failed: never applied
+                policy.apply_fit(job())
+        elif now == arrival:
+            for _ in range(rng.choice((1, 1, 1, 50))):
+                policy.offer(Request(ident, rng.randint(1, 8), now, now + 0.1), now)
+                ident += 1
+        wake = float("inf")
+        step = policy.poll(now)
+        check_step(policy, now, running is not None, step.batch, step.wake_at)
+        if step.batch is not None:
+            running = step.batch
+            done_at = now + 0.005 + 0.0005 * step.batch.rows
+        if step.wake_at is not None and running is None:
+            wake = step.wake_at
+    assert ident > 3000
+
+
+def test_a_thousand_requests_in_ten_ms_are_each_answered_once_on_the_fake_clock() -> None:
+    policy = calibrated()
+    requests = [Request(i, 1, i * 1e-5, i * 1e-5 + 0.1) for i in range(1000)]
+    admitted = {r.id for r in requests if policy.offer(r, r.arrival)}
+    now, answered, expired = 0.01, set(), set()
+    while True:
+        step = policy.poll(now)
+        expired.update(r.id for r in step.expired)
+        if step.batch is None:
+            if step.wake_at is None:
+                break
+            now = step.wake_at
+            continue
+        assert step.batch.rows <= 64
+        answered.update(r.id for r in step.batch.requests)
+        took = 0.005 + 0.0005 * step.batch.rows
+        policy.complete(step.batch, now, now + took, took)
+        now += took
+    assert answered | expired == admitted and not answered & expired
+    assert len(answered) >= 128  # 37 ms a 64-row batch: two full batches fit in 100 ms
+
+
+def fitted_adaptive() -> AdaptivePolicy:
+    policy = AdaptivePolicy(4, 1.0)
+    policy.apply_fit(Fit(intercept_s=0.001, slope_s=0.0001, factor=1.1, samples=1))
+    return policy
+
+
+class RefitFault(AdaptivePolicy):
+    """Every refit job raises, or sleeps `seconds` before fitting."""
+
+    def __init__(self, seconds: float | None) -> None:
+        super().__init__(4, 1.0, refit_every=1, refit_rows=1, refit_period_s=0.0)
+        self.seconds = seconds
+        self.jobs = 0
+
+    def refit_job(self, now: float) -> Callable[[], Any] | None:
+        job = super().refit_job(now)
+        if job is None:
+            return None
+        self.jobs += 1
+        seconds = self.seconds
+
+        def faulty() -> Any:
+            if seconds is None:
+                raise RuntimeError("injected refit failure")
+            time.sleep(seconds)
+            return job()
+
+        return faulty
+
+
+@pytest.mark.parametrize("seconds", [None, 1.0], ids=["raises", "takes-1s"])
+async def test_batches_run_on_while_refits_fail_or_take_a_second(seconds: float | None) -> None:
+    policy = RefitFault(seconds)
+    gate = Gate()
+    d = dispatcher(gate, policy, cap=4)
+    await d.start()
+    started = time.monotonic()
+    for i in range(30):
+        answer = await ask(d, rows(1, i))
+        assert not isinstance(answer, Rejection), answer
+    assert policy.jobs >= 1  # a refit was under way (or failed) while they were served
+    if seconds is not None:
+        assert time.monotonic() - started < seconds  # none of them waited for it
+
+
+async def test_a_stalled_model_call_leaves_no_request_stranded() -> None:
+    gate = Gate()
+    d = dispatcher(gate, fitted_adaptive(), cap=4)
+    await d.start()
+    calibration = len(gate.batches)
+    gate.open.clear()
+    threading.Timer(0.2, gate.open.set).start()  # the model call stalls 200 ms
+    answers = await asyncio.gather(*(ask(d, rows(1, i)) for i in range(40)))
+    assert all(not isinstance(a, Rejection) for a in answers)
+    served = gate.batches[calibration:]
+    assert sum(served) == 40 and max(served) <= 4
+
+
+async def test_a_clock_that_jumps_expires_what_it_must_and_serves_what_comes_after() -> None:
+    offset = [0.0]
+    gate = Gate()
+    d = dispatcher(gate, fitted_adaptive(), cap=4)
+    d.clock = lambda: time.monotonic() + offset[0]
+    await d.start()
+    gate.open.clear()
+    held = [asyncio.ensure_future(ask(d, rows(1, i), budget=1.0)) for i in range(6)]
+    await asyncio.sleep(0.05)
+    offset[0] += 10.0  # the clock jumps past every queued deadline
+    gate.open.set()
+    answers = await asyncio.gather(*held)
+    codes = [a.code if isinstance(a, Rejection) else "ok" for a in answers]
+    assert "ok" in codes and FailureCode.EXPIRED in codes and len(codes) == 6
+    after = await ask(d, rows(1), budget=1.0)
+    assert not isinstance(after, Rejection)
+
+
+async def test_an_answer_that_cannot_be_sent_strands_no_other() -> None:
+    gate = Gate()
+    d = dispatcher(gate, fitted_adaptive(), cap=4)
+    await d.start()
+    gate.open.clear()
+    loop = asyncio.get_running_loop()
+    futures = [loop.create_future() for _ in range(4)]
+
+    def broken(result: Tensors | Rejection) -> None:
+        raise OSError("the connection is gone")
+
+    d.submit({"x": rows(1)}, 10.0, broken)
+    for i, future in enumerate(futures):
+        d.submit({"x": rows(1, i)}, 10.0, future.set_result)
+    gate.open.set()
+    answers = await asyncio.gather(*futures)
+    assert all(not isinstance(a, Rejection) for a in answers)
+    assert not isinstance(await ask(d, rows(1)), Rejection)  # and the queue moves on
+
+
+STALL = """
+runners:
+  stall:
+    model: fixture_models:stall_echo
+    batching: {max_batch_size: 16, max_latency_ms: 1000}
+    inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]
+    outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]
+"""
+
+
+def test_a_live_runner_rides_out_a_stall_and_a_burst_of_a_thousand(serve: object) -> None:
+    server: Server = serve(STALL)  # type: ignore[operator]
+    url = f"{server.url}/v2/models/stall/infer"
+    headers = {"Content-Type": "application/json"}
+
+    def body(value: float) -> bytes:
+        return json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
+                                       "data": [value] * 4}]}).encode()
+
+    async def stall_then_traffic() -> Any:
+        stalled = asyncio.create_task(run_load(url, body(-1.0), headers, rate=1000, seconds=0.001))
+        await asyncio.sleep(0.01)  # the stalled batch is now in the model
+        burst = await run_load(url, body(1.0), headers, rate=100_000, seconds=0.01)
+        return await stalled, burst
+
+    stalled, burst = asyncio.run(stall_then_traffic())
+    assert burst.sent >= 900
+    assert burst.answered == burst.sent, burst.error_fraction  # none lost, none timed out
+    assert stalled.answered == stalled.sent
+    assert set(burst.error_fraction) <= {"503"}  # refused at once if anything, never hung
+    assert burst.ok > 0
+    with server.client() as client:  # serving normally right after
+        assert client.post("/v2/models/stall/infer", content=body(2.0), headers=headers
+                           ).status_code == 200
