@@ -149,6 +149,7 @@ class AdaptivePolicy:
             queue_wait_s=self._queue_wait_s,
             target_rows=self.target_rows,
             spread=fit.spread,
+            stretch=fit.stretch,
         )
 
     def calibration_sizes(self) -> tuple[int, ...]:

@@ -77,6 +77,7 @@ class PolicyStats:
     queue_wait_s: float = 0.0
     target_rows: float = 0.0
     spread: float = 0.0
+    stretch: float = 1.0
 
 
 class Policy(Protocol):

@@ -17,6 +17,8 @@ HISTOGRAMS = {
     "batchserve_request_duration_seconds",
     "batchserve_queue_wait_seconds",
     "batchserve_batch_duration_seconds",
+    "batchserve_batch_time_ratio",
+    "batchserve_batch_cpu_seconds",
 }
 COUNTERS = {"batchserve_requests_total", "batchserve_rejections_total", "batchserve_batches_total"}
 GAUGES = {
@@ -27,6 +29,7 @@ GAUGES = {
     "batchserve_predicted_batch_p99_seconds",
     "batchserve_arrival_rate",
     "batchserve_queue_depth",
+    "batchserve_latency_model_stretch",
 }
 SERIES = (
     COUNTERS
