@@ -354,3 +354,7 @@ def test_a_phase_switches_between_replay_and_synthetic_cost(tmp_path: Path) -> N
     assert second.replay is not None and second.stalls == Stalls(0.5, 10.0)
     assert third.replay is None and (third.intercept_ms, third.noise) == (7.0, 0.05)
     assert third.stalls == Stalls(0.5, 10.0)  # carried on, like every key a phase names
+
+def test_shipped_machine_scenarios_load() -> None:
+    for name in ("contended_80", "stalls", "replay_mlp", "overload_contended"):
+        assert load_scenario(SCENARIOS / f"{name}.yml").phases[0].cost.inflated
