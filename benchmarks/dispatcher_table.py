@@ -1,15 +1,16 @@
-"""One command for the dispatcher results table in docs/dispatcher.md (issue #3).
+"""One command for the dispatcher results table in docs/dispatcher.md (issues #3 and #7).
 
     python -m benchmarks.dispatcher_table [--scenarios DIR] [--json FILE] [--skip-capacity]
-                                          [--seeds N]
+                                          [--skip-grid] [--seeds N] [--workers N]
 
 For every scenario it runs the adaptive policy, BentoML's rule, no batching, and the best fixed
 (window, cap) pair found by a grid search in hindsight on that same traffic; it then finds the
-capacity (the highest Poisson rate the best fixed setting serves with p99 within the SLO) and
-checks the six points of issue #3 that a simulation can show, printing the numbers for each.
-Point 5 is then run again on seeds 1..N (adaptive against BentoML only), to show which of its
-verdicts hold beyond the scenario's own seed. Everything runs on the virtual clock, so the
-table is the same on any machine for a given seed.
+capacity (the highest Poisson rate the best fixed setting serves with p99 within the SLO),
+checks points 1-4 of issue #3 and the targets of issue #7 point 6 (`benchmarks.targets`) on
+every scenario, and runs the generated grid (`benchmarks.grid`) with a summary of the worst
+cell per target. `--seeds N` runs the point-6 targets again on seeds 1..N of every scenario.
+Everything runs on the virtual clock, so the output is the same on any machine for a given
+seed, except the refit times measured on the wall clock.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks import grid
+from benchmarks.targets import TARGETS, lines, verdicts
 from runner.scenario import Scenario, load_scenario
 from runner.simulate import Result, best_fixed, simulate
 
@@ -29,7 +32,7 @@ CAPACITY_BASE = "load_80"
 CAPACITY_SECONDS = 30.0
 CAPACITY_GRID = ((0.0, 1.0, 2.0, 5.0, 10.0), (64, 48, 32))
 DYNAMIC = ("steps", "bursts", "cost_doubling")
-SEEDS = 6
+WORKERS = 2
 
 
 def run_scenario(scenario: Scenario) -> list[Result]:
@@ -61,36 +64,25 @@ def capacity(scenario: Scenario, low: float = 1000.0, high: float = 2000.0) -> f
     return low
 
 
-def against_bentoml(ours: Result, bento: Result) -> tuple[bool, bool]:
-    """Point 5: (higher goodput, fewer false refusals); a tie counts only where nothing is lost."""
-    lost = bento.requests - (bento.ok - bento.late)
-    better = ours.goodput_rps > bento.goodput_rps or (
-        lost == 0 and ours.goodput_rps >= bento.goodput_rps
-    )
-    fewer = ours.false_rejections < bento.false_rejections or (
-        ours.false_rejections == 0 == bento.false_rejections
-    )
-    return better, fewer
-
-
-def _pair(job: tuple[Scenario, int]) -> tuple[bool, bool]:
+def _pair(job: tuple[Scenario, int]) -> list[bool]:
     scenario, seed = job
-    return against_bentoml(simulate(scenario, "adaptive", seed=seed),
-                           simulate(scenario, "bentoml", seed=seed))
+    found = verdicts(simulate(scenario, "adaptive", seed=seed),
+                     simulate(scenario, "bentoml", seed=seed), scenario.slo_ms)
+    return [verdict.ok for verdict in found]
 
 
-def seed_sweep(scenarios: dict[str, Scenario], seeds: int) -> list[str]:
-    """Point 5 on seeds 1..`seeds`: in how many the adaptive policy is ahead, per measure."""
+def seed_sweep(scenarios: dict[str, Scenario], seeds: int, workers: int) -> list[str]:
+    """The point-6 targets on seeds 1..`seeds`: on how many each target holds, per scenario."""
     jobs = [(scenario, seed) for scenario in scenarios.values() for seed in range(1, seeds + 1)]
-    with ProcessPoolExecutor() as pool:
-        verdicts = list(pool.map(_pair, jobs))
-    lines = []
+    with ProcessPoolExecutor(workers) as pool:
+        found = list(pool.map(_pair, jobs))
+    out = []
     for index, name in enumerate(scenarios):
-        mine = verdicts[index * seeds:(index + 1) * seeds]
-        lines.append(f"- {name}: goodput ahead in {sum(g for g, _ in mine)}/{seeds}, "
-                     f"fewer false refusals in {sum(f for _, f in mine)}/{seeds}, "
-                     f"both in {sum(g and f for g, f in mine)}/{seeds}")
-    return lines
+        mine = found[index * seeds:(index + 1) * seeds]
+        counts = ", ".join(f"{target} {sum(ok[i] for ok in mine)}/{seeds}"
+                           for i, target in enumerate(TARGETS))
+        out.append(f"- {name}: {counts}")
+    return out
 
 
 def markdown(results: dict[str, list[Result]]) -> str:
@@ -112,7 +104,8 @@ def markdown(results: dict[str, list[Result]]) -> str:
 
 
 def checks(results: dict[str, list[Result]], cap_rps: float, slo: dict[str, float]) -> list[str]:
-    """The points of issue #3, each with its numbers and PASS or MISS."""
+    """Points 1-4 of issue #3 and the targets of issue #7 point 6, each with its numbers and
+    PASS or MISS."""
     out: list[str] = []
 
     def say(ok: bool, text: str) -> None:
@@ -147,11 +140,19 @@ def checks(results: dict[str, list[Result]], cap_rps: float, slo: dict[str, floa
                 f"{fixed.goodput_rps:.1f}")
     for name in results:
         ours, bento = get(name, "adaptive"), get(name, "bentoml")
-        better, fewer = against_bentoml(ours, bento)
-        say(better and fewer,
-            f"5. {name}: goodput {ours.goodput_rps:.1f} vs bentoml {bento.goodput_rps:.1f}; "
-            f"false refusals {ours.false_rejections} vs {bento.false_rejections}")
+        out.extend(lines(name, verdicts(ours, bento, slo[name])))
     return out
+
+
+def run_scenarios(
+    scenarios: dict[str, Scenario], workers: int, search_capacity: bool
+) -> tuple[dict[str, list[Result]], float]:
+    """Every scenario's runs, and the capacity (searched beside them, or assumed 1700 req/s)."""
+    base = scenarios.get(CAPACITY_BASE)
+    with ProcessPoolExecutor(workers) as pool:
+        found = pool.submit(capacity, base) if search_capacity and base is not None else None
+        runs = dict(zip(scenarios, pool.map(run_scenario, scenarios.values()), strict=True))
+        return runs, 1700.0 if found is None else found.result()
 
 
 def main(argv: list[str]) -> int:
@@ -160,30 +161,36 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", type=Path, help="also write every result to this file")
     parser.add_argument("--skip-capacity", action="store_true",
                         help="assume 1700 req/s instead of searching for it (saves a minute)")
-    parser.add_argument("--seeds", type=int, default=SEEDS,
-                        help=f"run point 5 again on seeds 1..N (default {SEEDS}; 0 skips it)")
+    parser.add_argument("--skip-grid", action="store_true", help="do not run the grid")
+    parser.add_argument("--seeds", type=int, default=0,
+                        help="run the point-6 targets again on seeds 1..N (default 0: not)")
+    parser.add_argument("--workers", type=int, default=WORKERS, help="processes (default 2)")
     args = parser.parse_args(argv)
     scenarios = {path.stem: load_scenario(path) for path in sorted(args.scenarios.glob("*.yml"))}
-    results = {}
-    for name, scenario in scenarios.items():
-        print(f"running {name} ...", file=sys.stderr)
-        results[name] = run_scenario(scenario)
-    base = scenarios.get(CAPACITY_BASE)
-    cap_rps = 1700.0 if args.skip_capacity or base is None else capacity(base)
+    print(f"running {len(scenarios)} scenarios ...", file=sys.stderr)
+    results, cap_rps = run_scenarios(scenarios, args.workers, not args.skip_capacity)
     print(markdown(results))
     print(f"\ncapacity (best fixed setting, p99 within the SLO): {cap_rps:.0f} req/s\n")
     print("\n".join(checks(results, cap_rps, {n: s.slo_ms for n, s in scenarios.items()})))
     if args.seeds > 0:
-        print(f"\npoint 5 on seeds 1-{args.seeds} (adaptive against bentoml):")
-        print("\n".join(seed_sweep(scenarios, args.seeds)))
+        print(f"\npoint 6 on seeds 1-{args.seeds} (targets held, adaptive against bentoml):")
+        print("\n".join(seed_sweep(scenarios, args.seeds, args.workers)))
     refits = [run for runs in results.values() for run in runs if run.refits]
     mean = sum(run.refit_ms_mean * run.refits for run in refits) / sum(r.refits for r in refits)
     print(f"\nrefits: {sum(r.refits for r in refits)}, mean {mean:.2f} ms, "
           f"max {max(r.refit_ms_max for r in refits):.2f} ms (wall clock, this machine)")
+    dump = {name: [run.to_json() for run in runs] for name, runs in results.items()}
+    if not args.skip_grid:
+        print(f"running the grid ({len(grid.cells())} cells) ...", file=sys.stderr)
+        cells = grid.run_grid(grid.cells(), args.workers)
+        print(f"\ngrid: {len(cells)} cells, adaptive against bentoml (benchmarks/grid.py)\n")
+        print(grid.table(cells))
+        print("\ngrid summary, per target (the worst cell is the one furthest past its bound):")
+        print("\n".join(grid.summary(cells)))
+        dump["grid"] = [{"cell": run.cell.name, "adaptive": run.adaptive.to_json(),
+                         "bentoml": run.bentoml.to_json()} for run in cells]
     if args.json:
-        args.json.write_text(json.dumps(
-            {name: [run.to_json() for run in runs] for name, runs in results.items()}, indent=1
-        ))
+        args.json.write_text(json.dumps(dump, indent=1))
     return 0
 
 

@@ -2,9 +2,11 @@
 
 `batchserve simulate SCENARIO.yml [--policy adaptive|fixed|none|bentoml] [--window-ms W]
 [--cap N] [--seed S] [--json]` (issue #3). Time is virtual: the policy sees the simulator's
-clock, a batch of n rows takes `(intercept + per_item * n) * lognormal(0, noise)` and Poisson
-traffic is played phase by phase. Arrivals and request sizes come from their own random stream,
-so every policy meets exactly the same requests for a given seed.
+clock, a batch of n rows costs `(intercept + per_item * n) * lognormal(0, noise)` of CPU (or a
+recorded batch's), its wall time is that cost inflated by contention, a heavy tail and stalls
+when the scenario asks for them (`runner.batch_times`), and Poisson traffic is played phase by
+phase. Arrivals and request sizes come from their own random stream, so every policy meets
+exactly the same requests for a given seed.
 
 Scenario files are read and checked by `runner.scenario`.
 """
@@ -23,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from runner.batch_times import BatchTimer
 from runner.latency_model import Timing
 from runner.policy import Batch, Policy, Request, make_policy
 from runner.scenario import Cost, Phase, Scenario, load_scenario
@@ -108,17 +111,24 @@ def simulate(
     if policy is None:
         policy = make_policy(policy_kind, scenario.max_batch_size, slo_s, **policy_kw)
     noise = random.Random(seed * 7919 + 1)
-    _calibrate(policy, scenario.phases[0].cost, noise)
+    machine = random.Random(seed * 7919 + 2)
+    _calibrate(policy, scenario.phases[0].cost, noise, machine)
     wall = time.perf_counter()
-    trace = _run(policy, arrivals(scenario, seed), scenario, slo_s, noise)
+    traffic = arrivals(scenario, seed)
+    timer = BatchTimer(noise, machine, [arrival for arrival, _ in traffic])
+    trace = _run(policy, traffic, scenario, slo_s, timer)
     return _result(scenario, policy_kind, trace, time.perf_counter() - wall)
 
 
-def _calibrate(policy: Policy, cost: Cost, noise: random.Random) -> None:
-    """Time the policy's calibration sizes before traffic, as the live runner does."""
+def _calibrate(policy: Policy, cost: Cost, noise: random.Random, machine: random.Random) -> None:
+    """Time the policy's calibration sizes before traffic, as the live runner does: on an idle
+    machine, so wall time is the cost (a replayed batch's CPU time)."""
     timings = []
     for rows in policy.calibration_sizes():
-        seconds = cost.mean_s(rows) * noise.lognormvariate(0.0, cost.noise)
+        if cost.replay is not None:
+            seconds = cost.replay.sample(rows, machine).cpu_s
+        else:
+            seconds = cost.mean_s(rows) * noise.lognormvariate(0.0, cost.noise)
         timings.append(Timing(rows, seconds, seconds))
     policy.calibrate(timings)
 
@@ -128,10 +138,11 @@ def _run(
     traffic: list[tuple[float, int]],
     scenario: Scenario,
     slo_s: float,
-    noise: random.Random,
+    timer: BatchTimer,
 ) -> _Trace:
     trace = _Trace()
     costs = _CostClock(scenario.phases)
+    cpu_s = 0.0
     inf = math.inf
     count = len(traffic)
     index = 0
@@ -145,7 +156,7 @@ def _run(
             break
         if done_at <= arrival and done_at <= wake:
             assert running is not None
-            policy.complete(running, started, done_at, done_at - started)
+            policy.complete(running, started, done_at, cpu_s)
             _answered(trace, running, done_at)
             running, done_at = None, inf
             _refit(policy, now, trace)
@@ -163,8 +174,9 @@ def _run(
             if running is not None:
                 raise RuntimeError("the policy released a batch while one was running")
             running, started = step.batch, now
-            done_at = now + _duration(costs.at(now), step.batch.rows, noise, trace, now)
-            trace.reasons[step.batch.reason] += 1
+            taken = timer.draw(costs.at(now), step.batch.rows, now)
+            cpu_s, done_at = taken.cpu_s, now + taken.wall_s
+            _started(trace, step.batch, now, done_at, taken.per_row_s)
         wake = inf if step.wake_at is None else max(step.wake_at, now + 1e-6)
     return trace
 
@@ -190,12 +202,10 @@ def _cumulative(values: Iterable[float]) -> Iterable[float]:
         yield total
 
 
-def _duration(cost: Cost, rows: int, noise: random.Random, trace: _Trace, now: float) -> float:
-    factor = noise.lognormvariate(0.0, cost.noise) if cost.noise > 0 else 1.0
-    seconds = cost.mean_s(rows) * factor
+def _started(trace: _Trace, batch: Batch, now: float, done_at: float, per_row_s: float) -> None:
     trace.batch_starts.append(now)
-    trace.batch_info.append((now + seconds, rows, cost.per_item_ms / 1000.0 * factor))
-    return seconds
+    trace.batch_info.append((done_at, batch.rows, per_row_s))
+    trace.reasons[batch.reason] += 1
 
 
 def _answered(trace: _Trace, batch: Batch, finished: float) -> None:

@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import json
+import random
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from runner.policy import Batch, Request
-from runner.scenario import ScenarioError, load_scenario, parse_scenario
+from benchmarks.grid import CAPS, FULL_SHARE, LIMITS_MS, LOADS, RATIOS, cells, run_cell
+from runner.batch_times import BatchTimer
+from runner.policy import Batch, Request, Step, make_policy
+from runner.recording import load_recording
+from runner.scenario import (
+    Contention,
+    Cost,
+    ScenarioError,
+    Stalls,
+    Tail,
+    load_scenario,
+    parse_scenario,
+)
 from runner.simulate import (
     _answered,
     _Trace,
@@ -163,3 +177,211 @@ def test_batch_reasons_are_recorded() -> None:
     assert sum(result.reasons.values()) == result.batches
     assert set(result.reasons) <= {"idle", "full", "deadline", "window", "cap"}
     assert Batch((Request(1, 2, 0.0, 1.0),), "idle").rows == 2
+
+
+# --- a shared machine: contention, tail, stalls, replay (issue #7) -------------------------
+
+
+class Spy:
+    """A policy (one request per batch by default) that records what `complete` was told."""
+
+    def __init__(self, kind: str = "none") -> None:
+        self.inner = make_policy(kind, 64, 0.1)
+        self.completed: list[tuple[int, float, float]] = []  # rows, wall, cpu
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def poll(self, now: float) -> Step:
+        return self.inner.poll(now)
+
+    def complete(self, batch: Batch, started: float, finished: float,
+                 cpu_s: float | None = None) -> None:
+        assert cpu_s is not None
+        self.completed.append((batch.rows, finished - started, cpu_s))
+        self.inner.complete(batch, started, finished, cpu_s)
+
+
+def _spied(cost: dict[str, Any], tmp_path: Path | None = None, rate: float = 20.0,
+           kind: str = "none", rows: int = 2) -> Spy:
+    data = dict(SMALL, cost=cost, request_size=rows, phases=[{"seconds": 5, "rate": rate}])
+    spy = Spy(kind)
+    simulate(parse_scenario(data, "small", tmp_path or "."), policy=spy)  # type: ignore[arg-type]
+    assert spy.completed
+    return spy
+
+
+EXACT = {"intercept_ms": 5, "per_item_ms": 0.5}  # no noise: every 2-row batch costs 6 ms
+
+
+def test_without_machine_keys_wall_time_is_the_cost() -> None:
+    for rows, wall, cpu in _spied(EXACT).completed:
+        assert (rows, wall, cpu) == (2, pytest.approx(0.006, abs=1e-12), 0.006)
+
+
+def test_a_certain_stall_adds_exactly_its_milliseconds_to_wall_time_only() -> None:
+    spy = _spied(dict(EXACT, stalls={"probability": 1, "ms": 200}), rate=2.0)
+    for _, wall, cpu in spy.completed:
+        assert cpu == 0.006
+        assert wall == pytest.approx(0.206, abs=1e-12)
+
+
+def test_contention_scales_wall_time_by_the_recent_arrival_rate_not_cpu() -> None:
+    cost = Cost(5.0, 0.5, contention=Contention(per_krps=0.5, window_ms=100.0))
+    arrivals = [0.001 * i for i in range(1, 201)]  # 1000 req/s up to 0.2 s
+    timer = BatchTimer(random.Random(1), random.Random(2), arrivals)
+    taken = timer.draw(cost, 10, 0.2)  # 100 arrivals in (0.1, 0.2]: 1 krps
+    assert taken.cpu_s == 0.01
+    assert taken.wall_s == pytest.approx(0.01 * 1.5, abs=1e-12)
+    assert taken.per_row_s == pytest.approx(0.0005 * 1.5, abs=1e-12)
+    assert timer.draw(cost, 10, 5.0).wall_s == 0.01  # nothing arrived lately: no stretch
+
+
+def test_contention_in_a_run_follows_the_rate() -> None:
+    cheap = {"intercept_ms": 1, "per_item_ms": 0.1, "contention": {"per_krps": 0.5}}
+    for rate in (200.0, 2000.0):
+        spy = _spied(cheap, rate=rate, kind="greedy", rows=1)
+        assert all(cpu == pytest.approx(0.001 + 0.0001 * rows) for rows, _, cpu in spy.completed)
+        stretch = sorted(wall / cpu for _, wall, cpu in spy.completed)
+        assert stretch[0] >= 1.0 - 1e-9
+        median = stretch[len(stretch) // 2]
+        assert median == pytest.approx(1.0 + 0.5 * rate / 1000.0, rel=0.2)
+
+
+class FixedDraws(random.Random):
+    def __init__(self, uniform: float, pareto: float) -> None:
+        super().__init__(0)
+        self.uniform, self.pareto = uniform, pareto
+
+    def random(self) -> float:
+        return self.uniform
+
+    def paretovariate(self, alpha: float) -> float:
+        return self.pareto
+
+
+def test_a_tail_hit_multiplies_wall_time_by_scale_times_pareto() -> None:
+    cost = Cost(5.0, 0.5, tail=Tail(share=0.05, scale=2.0, alpha=3.0))
+    hit = BatchTimer(random.Random(1), FixedDraws(0.01, 1.5), [])
+    miss = BatchTimer(random.Random(1), FixedDraws(0.06, 1.5), [])
+    assert hit.draw(cost, 2, 0.0) == (pytest.approx(0.018), 0.006, pytest.approx(0.0015))
+    assert miss.draw(cost, 2, 0.0) == (0.006, 0.006, 0.0005)
+
+
+def test_a_tail_of_share_one_stretches_every_batch_at_least_scale() -> None:
+    spy = _spied(dict(EXACT, tail={"share": 1, "scale": 2.0}))
+    assert all(cpu == 0.006 and wall >= 0.012 - 1e-12 for _, wall, cpu in spy.completed)
+    assert len({wall for _, wall, _ in spy.completed}) > 1
+
+
+def test_machine_keys_at_zero_change_nothing() -> None:
+    plain = parse_scenario(SMALL, "small")
+    idle = dict(SMALL["cost"], contention={"per_krps": 0}, tail={"share": 0, "scale": 3},  # type: ignore[arg-type]
+                stalls={"probability": 0, "ms": 100})
+    zero = parse_scenario(dict(SMALL, cost=idle), "small")
+    for kind in ("adaptive", "bentoml"):
+        assert replace(simulate(plain, kind), wall_s=0.0, refit_ms_mean=0.0, refit_ms_max=0.0) \
+            == replace(simulate(zero, kind), wall_s=0.0, refit_ms_mean=0.0, refit_ms_max=0.0)
+
+
+RECORDED = "rows,wall_s,cpu_s\n1,0.002,0.001\n1,0.003,0.001\n4,0.010,0.004\n"
+
+
+def test_replay_samples_recorded_batches_of_the_nearest_row_count(tmp_path: Path) -> None:
+    (tmp_path / "log.csv").write_text(RECORDED)
+    recording = load_recording(tmp_path / "log.csv")
+    assert (recording.intercept_s, recording.slope_s) == (0.0, pytest.approx(0.001))
+    assert [recording.nearest(n) for n in (1, 2, 3, 4, 9)] == [0, 0, 1, 1, 1]
+    spy = _spied({"replay": "log.csv"}, tmp_path)
+    for rows, _, cpu in spy.completed:
+        assert rows == 2  # nearest recorded is 1 row; scaled by line(2) / line(1) = 2
+        assert cpu == 0.002
+    assert {round(wall, 12) for _, wall, _ in spy.completed} == {0.004, 0.006}
+
+
+def test_replay_paths_are_relative_to_the_scenario_file(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "log.csv").write_text(RECORDED)
+    data = dict(SMALL, cost={"replay": "logs/log.csv"})
+    (tmp_path / "replayed.yml").write_text(json.dumps(data))
+    cost = load_scenario(tmp_path / "replayed.yml").phases[0].cost
+    assert cost.replay is not None and cost.replay.sizes == (1, 4)
+
+
+@pytest.mark.parametrize(
+    ("cost", "message"),
+    [
+        (dict(EXACT, stalls={"probability": 2, "ms": 5}),
+         r"^small\.cost\.stalls\.probability has value 2; it must be a number from 0 to 1$"),
+        (dict(EXACT, stalls={"probability": 0.1}),
+         r"^small\.cost\.stalls\.ms has value None; it must be a number at least 0$"),
+        (dict(EXACT, contention={"per_krps": 1, "speed": 2}),
+         r"^small\.cost\.contention has unknown key 'speed'; known: \['per_krps', 'window_ms'\]$"),
+        (dict(EXACT, contention={"per_krps": 1, "window_ms": 0}),
+         r"^small\.cost\.contention\.window_ms has value 0; it must be a number greater than 0$"),
+        (dict(EXACT, tail={"share": 0.1, "scale": 0.5}),
+         r"^small\.cost\.tail\.scale has value 0\.5; it must be a number at least 1$"),
+        (dict(EXACT, tail={"share": "x", "scale": 2}),
+         r"^small\.cost\.tail\.share has value 'x'; it must be a number from 0 to 1$"),
+        ({"replay": "missing.csv"},
+         r"^small\.cost\.replay has value 'missing\.csv'; it must name a batch log with header "
+         r"rows,wall_s,cpu_s relative to the scenario file \(cannot read"),
+        ({"replay": "log.csv", "intercept_ms": 5},
+         r"^small\.cost has keys 'replay' and 'intercept_ms'; a replayed cost takes neither"),
+        ({"replay": 3}, r"^small\.cost\.replay has value 3; it must be the path of a batch log$"),
+    ],
+)
+def test_machine_key_errors_name_the_dotted_path(cost: dict[str, Any], message: str) -> None:
+    with pytest.raises(ScenarioError, match=message):
+        parse_scenario(dict(SMALL, cost=cost), "small")
+
+
+def test_a_bad_recording_names_its_line(tmp_path: Path) -> None:
+    (tmp_path / "bad.csv").write_text("rows,wall_s,cpu_s\n1,0.002,0.001\n0,0.001,0.001\n")
+    with pytest.raises(ScenarioError, match=r"bad\.csv:3 has '0,0\.001,0\.001'; rows must be"):
+        parse_scenario(dict(SMALL, cost={"replay": "bad.csv"}), "small", tmp_path)
+
+
+def test_a_phase_switches_between_replay_and_synthetic_cost(tmp_path: Path) -> None:
+    (tmp_path / "log.csv").write_text(RECORDED)
+    data = dict(SMALL, phases=[
+        {"seconds": 1, "rate": 10},
+        {"seconds": 1, "rate": 10, "cost": {"replay": "log.csv", "stalls": {
+            "probability": 0.5, "ms": 10}}},
+        {"seconds": 1, "rate": 10, "cost": {"intercept_ms": 7, "per_item_ms": 1}},
+    ])
+    first, second, third = (phase.cost for phase in parse_scenario(data, "s", tmp_path).phases)
+    assert first.replay is None and not first.inflated
+    assert second.replay is not None and second.stalls == Stalls(0.5, 10.0)
+    assert third.replay is None and (third.intercept_ms, third.noise) == (7.0, 0.05)
+    assert third.stalls == Stalls(0.5, 10.0)  # carried on, like every key a phase names
+
+
+def test_shipped_machine_scenarios_load() -> None:
+    for name in ("contended_80", "stalls", "replay_mlp", "overload_contended"):
+        assert load_scenario(SCENARIOS / f"{name}.yml").phases[0].cost.inflated
+
+
+# --- the generated grid (issue #7 point 6) --------------------------------------------------
+
+
+def test_grid_has_every_combination_once_with_full_batches_a_share_of_the_limit() -> None:
+    grid = cells()
+    assert len(grid) == len(RATIOS) * len(CAPS) * len(LIMITS_MS) * len(LOADS) == 128
+    assert len({cell.name for cell in grid}) == len(grid)
+    for cell in grid:
+        cost = cell.scenario().phases[0].cost
+        assert cost.intercept_ms == pytest.approx(cell.ratio * cost.per_item_ms)
+        assert cost.mean_s(cell.cap) == pytest.approx(FULL_SHARE * cell.limit_ms / 1000.0)
+        assert cell.rate == pytest.approx(cell.load * cell.cap / cost.mean_s(cell.cap))
+
+
+def test_grid_cells_are_deterministic() -> None:
+    assert cells() == cells()
+    cell = next(c for c in cells() if (c.ratio, c.cap, c.limit_ms, c.load) == (2.0, 8, 500.0, 1.5))
+    first, second = run_cell(cell), run_cell(cell)
+    for run in (first, second):
+        assert run.adaptive.requests == run.bentoml.requests > 0
+    assert replace(first.adaptive, wall_s=0.0, refit_ms_mean=0.0, refit_ms_max=0.0) == \
+        replace(second.adaptive, wall_s=0.0, refit_ms_mean=0.0, refit_ms_max=0.0)
+    assert replace(first.bentoml, wall_s=0.0) == replace(second.bentoml, wall_s=0.0)

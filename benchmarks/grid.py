@@ -1,0 +1,160 @@
+"""A generated grid of cost profiles, caps, limits and loads (issue #7 point 6).
+
+Every cell is one steady Poisson scenario with single-row requests and a synthetic cost with
+lognormal noise (sigma 0.05), run by the adaptive policy and by BentoML's rule on the same
+arrivals (seed 1):
+
+- intercept/slope ratios 0.5, 2, 10 and 50 rows: from cost almost proportional to rows to
+  cost almost fixed per batch;
+- caps (`max_batch_size`) 8, 32, 64 and 256, limits 10, 25, 100 and 500 ms;
+- the cost is scaled so a full batch takes `FULL_SHARE` (a quarter) of the limit on average:
+  `slope = FULL_SHARE * limit / (ratio + cap)`, `intercept = ratio * slope`;
+- capacity in closed form: full batches back to back, `cap / (FULL_SHARE * limit)` req/s;
+  each cell runs at 80% and at 150% of it;
+- each run lasts long enough for `REQUESTS` arrivals, at least `MIN_SECONDS` and at most
+  `MAX_SECONDS` simulated seconds.
+
+`python -m benchmarks.grid` prints one line per cell; `benchmarks.dispatcher_table` prints the
+grid with its summary. Everything is on the virtual clock and seeded, so the grid is the same
+on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from benchmarks.targets import TARGETS, Verdict, verdicts
+from runner.scenario import Cost, Phase, Scenario
+from runner.simulate import Result, simulate
+
+RATIOS = (0.5, 2.0, 10.0, 50.0)
+CAPS = (8, 32, 64, 256)
+LIMITS_MS = (10.0, 25.0, 100.0, 500.0)
+LOADS = (0.8, 1.5)
+FULL_SHARE = 0.25
+NOISE = 0.05
+SEED = 1
+REQUESTS = 20_000
+MIN_SECONDS = 5.0
+MAX_SECONDS = 60.0
+WORKERS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    ratio: float
+    cap: int
+    limit_ms: float
+    load: float
+
+    @property
+    def name(self) -> str:
+        return f"r{self.ratio:g}/cap{self.cap}/{self.limit_ms:g}ms/{self.load:.0%}"
+
+    @property
+    def slope_ms(self) -> float:
+        return FULL_SHARE * self.limit_ms / (self.ratio + self.cap)
+
+    @property
+    def intercept_ms(self) -> float:
+        return self.ratio * self.slope_ms
+
+    @property
+    def capacity_rps(self) -> float:
+        return self.cap / (FULL_SHARE * self.limit_ms / 1000.0)
+
+    @property
+    def rate(self) -> float:
+        return self.load * self.capacity_rps
+
+    @property
+    def seconds(self) -> float:
+        return min(MAX_SECONDS, max(MIN_SECONDS, REQUESTS / self.rate))
+
+    def scenario(self, seed: int = SEED) -> Scenario:
+        cost = Cost(self.intercept_ms, self.slope_ms, NOISE)
+        return Scenario(self.name, self.limit_ms, self.cap, seed, 1, 1,
+                        (Phase(self.seconds, self.rate, cost),))
+
+
+@dataclass(frozen=True, slots=True)
+class CellRun:
+    cell: Cell
+    adaptive: Result
+    bentoml: Result
+
+    @property
+    def verdicts(self) -> list[Verdict]:
+        return verdicts(self.adaptive, self.bentoml, self.cell.limit_ms)
+
+
+def cells() -> list[Cell]:
+    """Every cell, in a fixed order: ratio, cap, limit, then load."""
+    return [Cell(*values) for values in itertools.product(RATIOS, CAPS, LIMITS_MS, LOADS)]
+
+
+def run_cell(cell: Cell) -> CellRun:
+    scenario = cell.scenario()
+    return CellRun(cell, simulate(scenario, "adaptive"), simulate(scenario, "bentoml"))
+
+
+def run_grid(chosen: list[Cell], workers: int = WORKERS) -> list[CellRun]:
+    """Run the cells on `workers` processes; the order of the answer is that of `chosen`."""
+    # Costliest (most arrivals) first, so a long cell does not start last.
+    order = sorted(range(len(chosen)), key=lambda i: -chosen[i].rate * chosen[i].seconds)
+    with ProcessPoolExecutor(workers) as pool:
+        done = dict(zip(order, pool.map(run_cell, [chosen[i] for i in order]), strict=True))
+    return [done[i] for i in range(len(chosen))]
+
+
+def table(runs: list[CellRun]) -> str:
+    """One row per cell: the numbers behind each target, and which targets it misses."""
+    lines = [
+        "| cell | rate req/s | goodput adaptive | goodput bentoml | late % adaptive "
+        "| late % bentoml | refusal wait p99 ms | false refusals % | misses |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for run in runs:
+        ours, bento = run.adaptive, run.bentoml
+        share = 100.0 / ours.requests if ours.requests else 0.0
+        misses = ", ".join(v.target for v in run.verdicts if not v.ok) or "-"
+        lines.append(
+            f"| {run.cell.name} | {run.cell.rate:.0f} | {ours.goodput_rps:.1f} "
+            f"| {bento.goodput_rps:.1f} | {ours.late * share:.3f} "
+            f"| {bento.late * share:.3f} | {ours.reject_wait_p99_ms:.2f} "
+            f"| {ours.false_rejections * share:.3f} | {misses} |"
+        )
+    return "\n".join(lines)
+
+
+def summary(runs: list[CellRun]) -> list[str]:
+    """Per target: how many cells pass, and the worst cell with its numbers."""
+    out = []
+    for index, target in enumerate(TARGETS):
+        passed = sum(run.verdicts[index].ok for run in runs)
+        worst = max(runs, key=lambda run: run.verdicts[index].excess)
+        verdict = worst.verdicts[index]
+        out.append(f"- {target}: {passed}/{len(runs)} cells pass; worst {worst.cell.name} "
+                   f"({'PASS' if verdict.ok else 'MISS'}): {verdict.text}")
+    every = sum(all(v.ok for v in run.verdicts) for run in runs)
+    out.append(f"- all four targets: {every}/{len(runs)} cells")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.grid")
+    parser.add_argument("--workers", type=int, default=WORKERS)
+    args = parser.parse_args(argv)
+    runs = run_grid(cells(), args.workers)
+    print(table(runs))
+    print()
+    print("\n".join(summary(runs)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
