@@ -118,3 +118,103 @@ def test_rate_estimator_tracks_a_steady_rate_and_decays() -> None:
         rate.add(i / 1000.0)  # 1,000 events per second for 2 s
     assert rate.rate(2.0) == pytest.approx(1000.0, rel=0.02)
     assert rate.rate(2.5) == pytest.approx(1000.0 / 2.718281828, rel=0.02)
+
+
+def test_contention_that_comes_with_large_batches_does_not_tilt_the_cost_curve() -> None:
+    episodes = _episodes(random.Random(6))
+    model = calibrated(random.Random(6))
+    for rows, wall, cpu in episodes:
+        model.add(rows, wall, cpu)
+    fit = fit_samples(model.snapshot())
+    assert fit.cost(1) == pytest.approx(INTERCEPT_S + SLOPE_S, rel=0.1)
+    assert fit.slope_s / fit.stretch == pytest.approx(SLOPE_S, rel=0.1)
+    assert fit.stretch > 1.5  # what requests feel is carried by the stretch
+    # A line through the wall times, as fitted before, takes the episodes for cost per row:
+    wall = LatencyModel()
+    for rows, seconds, _ in episodes:
+        add(wall, rows, seconds)
+    assert fit_samples(wall.snapshot()).slope_s > 2 * SLOPE_S
+
+
+def _episodes(rng: random.Random) -> list[tuple[int, float, float]]:
+    """Batches (rows, wall, CPU) on shared cores, confounded as seen live: in a slow episode
+    batches are both larger (more requests queued behind the last one) and slower in wall
+    time; their CPU time is the model's own cost whatever the episode."""
+    out = []
+    for i in range(128):
+        slow = (i // 10) % 2 == 1
+        rows = rng.randint(30, 60) if slow else rng.randint(1, 10)
+        cpu = batch_time(rows, rng)
+        out.append((rows, cpu * (4.5 if slow else 1.5), cpu))
+    return out
+
+
+def refit(model: LatencyModel) -> Fit:
+    model.fit = fit_samples(model.snapshot())
+    return model.fit
+
+
+def test_after_a_slowdown_ends_the_model_comes_back_within_a_bounded_number_of_batches() -> None:
+    rng = random.Random(7)
+    model = calibrated(rng)
+    refit(model)
+    for _ in range(64):  # contention: wall time 3x the cost
+        cpu = batch_time(8, rng)
+        model.add(8, 3.0 * cpu, cpu)
+    assert refit(model).stretch == pytest.approx(3.0, rel=0.1)
+    shifted = 0
+    for _ in range(8):  # the cores are free again
+        cpu = batch_time(8, rng)
+        shifted += model.add(8, cpu, cpu)
+    assert shifted >= 1  # three fast batches in a row: a shift, a refit is due at once
+    fit = refit(model)
+    assert fit.stretch == pytest.approx(1.0, rel=0.1)
+    assert fit.mean(8) == pytest.approx(INTERCEPT_S + SLOPE_S * 8, rel=0.1)
+
+
+def test_a_burst_of_stalls_moves_the_stretch_a_bounded_step() -> None:
+    rng = random.Random(8)
+    model = calibrated(rng)
+    before = refit(model).stretch
+    for _ in range(3):  # three 200 ms stalls in a row on a 10 ms batch
+        cpu = batch_time(10, rng)
+        model.add(10, cpu + 0.2, cpu)
+    after = refit(model).stretch
+    assert after == pytest.approx(before * 4.0)  # 20-fold in truth, 4-fold at most per refit
+
+
+def test_a_cost_shift_in_cpu_time_rescales_the_calibration_both_ways() -> None:
+    rng = random.Random(9)
+    model = calibrated(rng)
+    refit(model)
+    for _ in range(3):
+        cpu = 2.0 * batch_time(16, rng)
+        model.add(16, cpu, cpu)
+    fit = refit(model)
+    assert fit.cost(64) == pytest.approx(2.0 * (INTERCEPT_S + SLOPE_S * 64), rel=0.1)
+    for _ in range(3):
+        cpu = batch_time(16, rng)
+        model.add(16, cpu, cpu)
+    fit = refit(model)
+    assert fit.cost(64) == pytest.approx(INTERCEPT_S + SLOPE_S * 64, rel=0.1)
+
+
+def test_a_model_that_waits_is_measured_in_wall_time() -> None:
+    model = LatencyModel()
+    model.calibrate([Timing(rows, 0.3, 0.0001) for rows in (1, 2, 4, 8) * 2])  # a 300 ms sleep
+    assert not model.cpu_bound
+    fit = refit(model)
+    assert fit.cost(1) == pytest.approx(0.3, rel=0.01)
+    assert fit.stretch == pytest.approx(1.0)
+
+
+def test_the_tail_factor_covers_a_heavy_tail_the_mad_would_miss() -> None:
+    rng = random.Random(10)
+    model = calibrated(rng)
+    for i in range(256):  # 3% of batches take 3x: beyond what a normal law with this MAD says
+        cpu = batch_time(8, rng)
+        model.add(8, cpu * (3.0 if i % 33 == 0 else 1.0), cpu)
+    fit = refit(model)
+    walls = [batch_time(8, rng) * (3.0 if rng.random() < 0.03 else 1.0) for _ in range(20000)]
+    covered = sum(wall <= fit.high(8) for wall in walls) / len(walls)
+    assert covered >= 0.985
