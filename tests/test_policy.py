@@ -325,3 +325,15 @@ def test_bentoml_splits_time_evenly_when_every_batch_has_one_item() -> None:
         now += 0.05
     assert policy.a == pytest.approx(0.003)  # twice the true per-item cost of a 6 ms item
     assert policy.b == pytest.approx(0.003)
+
+
+def test_an_idle_model_admits_what_fits_its_cost_curve_whatever_the_stretch() -> None:
+    policy = AdaptivePolicy(64, SLO)
+    # A stretch learned in a bad moment: wall time 50x the cost curve, a 0.3 s batch.
+    policy.apply_fit(Fit(intercept_s=0.25, slope_s=0.05, factor=1.2, samples=1, stretch=50.0))
+    assert policy.offer(request(1, 0.0), 0.0)  # idle, nothing queued: 6 ms on the curve
+    assert policy.poll(0.0).batch is not None
+    assert not policy.offer(request(2, 0.001), 0.001)  # behind a running batch: the promise
+    idle = AdaptivePolicy(64, SLO)
+    idle.apply_fit(Fit(intercept_s=0.25, slope_s=0.05, factor=1.2, samples=1, stretch=1.0))
+    assert not idle.offer(request(3, 0.0), 0.0)  # truly too slow on the curve: refused
