@@ -323,7 +323,8 @@ class AdaptivePolicy:
         return None, min(window_end, latest)
 
     def _take(self, now: float, reason: Reason) -> tuple[Batch | None, tuple[Request, ...]]:
-        """Pop a batch FIFO up to the cap, dropping requests that would surely be late in it."""
+        """Pop a batch FIFO up to the cap, dropping requests that would be late in it even on
+        an idle machine (on the cost curve): surely wasted, whatever the stretch says."""
         queue = self._queue
         limit = max(self.cap, self._next_rows)
         self._next_rows = 0
@@ -341,8 +342,8 @@ class AdaptivePolicy:
                 break
             queue.popleft()
             self._queued_rows -= request.rows
-            if request.deadline < now + intercept + slope * (rows + request.rows):
-                dropped.append(request)
+            if request.deadline < now + self._fit.cost(rows + request.rows):
+                dropped.append(request)  # late even on an idle machine: surely wasted
                 continue
             taken.append(request)
             rows += request.rows
