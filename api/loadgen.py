@@ -75,6 +75,8 @@ class LoadResult:
     which maps a status (``"503"``, ``"transport"``, ``"timeout"``) to its share of ``sent``.
     ``timer_lag_*`` is how late this generator's timer fired: the part of every latency that
     is the client's own fault. ``loadgen_cpu_*`` is this process's CPU for the whole run.
+    ``ok_p*_ms`` cover the 2xx answers only, ``refused_p99_ms`` the 503s, and ``good`` counts
+    the 2xx answers within ``slo_ms``: what a live benchmark judges and calls goodput.
     """
 
     target_rate: float
@@ -95,6 +97,11 @@ class LoadResult:
     peak_queued: int
     loadgen_cpu_s: float
     loadgen_cpu_ms_per_req: float
+    ok_p50_ms: float | None = None
+    ok_p99_ms: float | None = None
+    refused_p99_ms: float | None = None
+    slo_ms: float = 100.0
+    good: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -109,10 +116,15 @@ def summarize(
     elapsed: float,
     peaks: tuple[int, int],
     cpu_s: float,
+    *,
+    slo_ms: float = 100.0,
 ) -> LoadResult:
     """Turn per-request records (seconds, statuses) into a :class:`LoadResult`."""
     sent = len(statuses)
-    answered = sorted(lat * 1e3 for lat, st in zip(latencies, statuses, strict=True) if st > 0)
+    pairs = list(zip(latencies, statuses, strict=True))
+    answered = sorted(lat * 1e3 for lat, st in pairs if st > 0)
+    ok_ms = sorted(lat * 1e3 for lat, st in pairs if 200 <= st < 300)
+    refused_ms = sorted(lat * 1e3 for lat, st in pairs if st == 503)
     ok = sum(1 for st in statuses if 200 <= st < 300)
     counts: dict[str, int] = {}
     for st in statuses:
@@ -140,6 +152,11 @@ def summarize(
         peak_queued=peaks[1],
         loadgen_cpu_s=cpu_s,
         loadgen_cpu_ms_per_req=cpu_s * 1e3 / sent if sent else 0.0,
+        ok_p50_ms=percentile(ok_ms, 0.50),
+        ok_p99_ms=percentile(ok_ms, 0.99),
+        refused_p99_ms=percentile(refused_ms, 0.99),
+        slo_ms=slo_ms,
+        good=bisect.bisect_right(ok_ms, slo_ms),
     )
 
 
@@ -379,6 +396,7 @@ async def run_load(
     method: str = "POST",
     warm_connections: int = 8,
     drain_timeout: float = 10.0,
+    slo_ms: float = 100.0,
 ) -> LoadResult:
     """Send ``body`` to ``url`` at Poisson arrivals of ``rate`` per second for ``seconds``.
 
@@ -403,7 +421,9 @@ async def run_load(
     cpu = time.process_time() - cpu0
     elapsed = run.last_done - run.start if run.last_done else seconds
     peaks = (run.peak_connections, run.peak_queued)
-    return summarize(rate, seconds, run.latencies, run.statuses, run.lags, elapsed, peaks, cpu)
+    return summarize(
+        rate, seconds, run.latencies, run.statuses, run.lags, elapsed, peaks, cpu, slo_ms=slo_ms
+    )
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

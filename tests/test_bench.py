@@ -163,6 +163,18 @@ def test_percentile_is_nearest_rank() -> None:
     assert loadgen.percentile([], 0.5) is None
 
 
+def test_summary_splits_ok_and_refused_latencies_and_counts_good_answers() -> None:
+    latencies = [0.010, 0.050, 0.150, 0.002, 0.004, 0.0]
+    statuses = [200, 200, 200, 503, 503, loadgen.TRANSPORT_ERROR]
+    result = loadgen.summarize(1.0, 6.0, latencies, statuses, [0.0] * 6, 6.0, (1, 0), 0.0,
+                               slo_ms=100.0)
+    assert (result.ok, result.good) == (3, 2)  # the 150 ms answer is OK but not good
+    assert (result.ok_p50_ms, result.ok_p99_ms) == pytest.approx((50.0, 150.0))
+    assert result.refused_p99_ms == pytest.approx(4.0)
+    assert result.p99_ms == pytest.approx(150.0)  # every answer, 503s included
+    assert result.error_fraction == {"503": 2 / 6, "transport": 1 / 6}
+
+
 def test_json_infer_body_is_a_v2_request() -> None:
     body, headers = bench.infer_body(3, 256, binary=False)
     request = orjson.loads(body)

@@ -1,0 +1,134 @@
+"""Closed-loop clients on the bundled `mlp` are never refused (issue 7).
+
+Each client is a thread with its own `tritonclient.http` client that sends one row, waits
+for the answer and sends the next, for a fixed time. Every answer is counted by status and
+the counts must be exactly all 200, and match what the server itself counted. Load tests on
+a shared machine: run the suite under the bench lock (`flock /tmp/batchserve-bench.lock`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from benchmarks.scrape import Scrape, delta, fetch
+from tests.conftest import ROOT, Server
+
+SECONDS = 10.0
+
+
+@dataclass
+class Tally:
+    """What the closed-loop clients got back: answers by status, and their latencies."""
+
+    statuses: Counter[int | str] = field(default_factory=Counter)
+    latencies: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, status: int | str, latency: float) -> None:
+        with self.lock:
+            self.statuses[status] += 1
+            self.latencies.append(latency)
+
+    def summary(self) -> str:
+        ms = sorted(lat * 1e3 for lat in self.latencies) or [0.0]
+        p50, p99 = ms[len(ms) // 2], ms[min(len(ms) - 1, int(len(ms) * 0.99))]
+        return f"{dict(self.statuses)}, p50 {p50:.1f} ms, p99 {p99:.1f} ms"
+
+
+def status_of(error: InferenceServerException) -> int | str:
+    """The HTTP status tritonclient saw, or the error's text when there was no answer."""
+    status = error.status()
+    return int(status) if status and str(status).isdigit() else str(error)[:80]
+
+
+def client_loop(url: str, seed: int, seconds: float, tally: Tally) -> None:
+    client = triton.InferenceServerClient(url, connection_timeout=10, network_timeout=10)
+    row = np.random.default_rng(seed).standard_normal((1, 256)).astype(np.float32)
+    tensor = triton.InferInput("x", [1, 256], "FP32")
+    tensor.set_data_from_numpy(row, binary_data=False)
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            start = time.monotonic()
+            try:
+                client.infer("mlp", [tensor])
+                status: int | str = 200
+            except InferenceServerException as error:
+                status = status_of(error)
+            except Exception as error:  # a broken connection is an answer we count too
+                status = type(error).__name__
+            tally.add(status, time.monotonic() - start)
+    finally:
+        client.close()
+
+
+def closed_loop(server: Server, clients: int, seconds: float) -> tuple[Tally, dict[str, float]]:
+    """Run ``clients`` closed-loop threads; return their tally and the server's own counts."""
+    tally = Tally()
+    url = server.url.removeprefix("http://")
+    threads = [
+        threading.Thread(target=client_loop, args=(url, i, seconds, tally), daemon=True)
+        for i in range(clients)
+    ]
+    before = fetch(server.url)
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + 30)
+    assert not any(t.is_alive() for t in threads), "a client hung past its network timeout"
+    return tally, settled_counts(server, before, sum(tally.statuses.values()))
+
+
+def settled_counts(server: Server, before: Scrape, answers: int) -> dict[str, float]:
+    """The server's counts once they cover ``answers`` (or after 5 s).
+
+    A worker counts an answer just after sending it, so the last few may not be in the
+    first reading after the clients stop.
+    """
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            counts = server_counts(before, fetch(server.url))
+        except OSError as error:
+            raise AssertionError("".join(server.log[-20:])) from error
+        if sum(counts.values()) >= answers or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.05)
+
+
+def server_counts(before: Scrape, after: Scrape) -> dict[str, float]:
+    """Answers the server counted for `mlp` between two readings, by status code."""
+    name = "batchserve_requests_total"
+    return delta(before.by_label(name, "code", runner="mlp"),
+                 after.by_label(name, "code", runner="mlp"))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("clients", [8, 32, 64])
+def test_closed_loop_clients_are_never_refused(bundled: Server, clients: int) -> None:
+    tally, on_server = closed_loop(bundled, clients, SECONDS)
+    answers = sum(tally.statuses.values())
+    assert answers >= clients * 10, tally.summary()  # each client got well past its first
+    assert tally.statuses == {200: answers}, tally.summary()
+    assert on_server == {"200": answers}, (on_server, tally.summary())
+
+
+TIGHT = (ROOT / "configuration.yml").read_text().replace("max_latency_ms: 100", "max_latency_ms: 3")
+
+
+@pytest.mark.timeout(90)
+def test_the_closed_loop_counts_every_refusal(serve: object) -> None:
+    """On a limit the MLP cannot meet under load, the refusals are counted one by one."""
+    server: Server = serve(TIGHT)  # type: ignore[operator]
+    tally, on_server = closed_loop(server, 32, 2.0)
+    assert tally.statuses[503] > 0, tally.summary()
+    assert set(tally.statuses) == {200, 503}, tally.summary()
+    assert on_server == {str(k): v for k, v in tally.statuses.items()}, tally.summary()
