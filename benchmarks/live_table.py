@@ -35,6 +35,8 @@ from benchmarks.scrape import Scrape, bucket_delta, delta, fetch, histogram_quan
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "mlp"
+README_START = "<!-- live-table: start -->"
+README_END = "<!-- live-table: end -->"
 
 
 def window(before: Scrape, after: Scrape, cpu_s: float, sent: int) -> Window:
@@ -143,6 +145,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--shared-python", default=sys.executable, help="interpreter for it")
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--json", type=Path, help="write every figure to this file")
+    p.add_argument("--readme", type=Path, help="also put the tables into this file, between "
+                   f"the lines {README_START!r} and {README_END!r}")
     args = p.parse_args(argv)
     args.port = 0  # benchmarks.load.serve picks a free port
     args.overload_seconds = args.overload_seconds or args.seconds
@@ -180,16 +184,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"live_table: {exc}", file=sys.stderr)
         return 1
     rows: dict[str, list[Row]] = report["rows"]  # type: ignore[assignment]
-    print(markdown([row for client_rows in rows.values() for row in client_rows]))
-    print()
-    print(summary(rows))
+    tables = [markdown([row for client_rows in rows.values() for row in client_rows]),
+              summary(rows)]
     if report["overload"]:
-        print()
-        print(overload_markdown(report["overload"]))  # type: ignore[arg-type]
+        tables.append(overload_markdown(report["overload"]))  # type: ignore[arg-type]
+    text = "\n\n".join(tables)
+    print(text)
     print(f"\nserver logs: {args.logs}")
     if args.json:
         args.json.write_bytes(as_json(report))
+    if args.readme:
+        replace_block(args.readme, text)
     return 0
+
+
+def replace_block(path: Path, text: str) -> None:
+    """Put ``text`` between the README_START and README_END lines of ``path``."""
+    content = path.read_text()
+    start, end = content.find(README_START), content.find(README_END)
+    if start < 0 or end < start:
+        raise SystemExit(f"live_table: {path} has no {README_START!r} ... {README_END!r} block")
+    head = content[: start + len(README_START)]
+    path.write_text(f"{head}\n{text}\n{content[end:]}")
 
 
 if __name__ == "__main__":
