@@ -228,12 +228,18 @@ def _decode_input(
         raise BadRequest(f"input {name!r} uses shared memory, which batchserve does not support")
     size = params.get("binary_data_size")
     if size is None:
-        return name, from_json(spec, shape, item.get("data", MISSING))
-    if "data" in item:
+        array = from_json(spec, shape, item.get("data", MISSING))
+    elif "data" in item:
         raise BadRequest(
             f"input {name!r} has both 'data' and parameters.binary_data_size; expected one"
         )
-    return name, from_binary(spec, shape, size, binary)
+    else:
+        array = from_binary(spec, shape, size, binary)
+    if spec.finite and not np.isfinite(array).all():
+        raise BadRequest(
+            f"input {name!r} holds NaN or infinity; model {runner.name!r} takes finite values only"
+        )
+    return name, array
 
 
 def _decode_inputs(

@@ -46,6 +46,7 @@ class TensorSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]
+    finite: bool = False  # the model cannot take NaN or infinity: refuse them with a 400
 
     @property
     def dtype(self) -> np.dtype[Any]:
@@ -135,7 +136,7 @@ def _str(key: str, value: Any) -> str:
 
 
 def _tensor(key: str, value: Any) -> TensorSpec:
-    raw = _mapping(key, value, {"name", "datatype", "shape"})
+    raw = _mapping(key, value, {"name", "datatype", "shape", "finite"})
     for required in ("name", "datatype", "shape"):
         if required not in raw:
             raise ConfigError(f"{key}.{required} is missing")
@@ -148,7 +149,10 @@ def _tensor(key: str, value: Any) -> TensorSpec:
     for i, dim in enumerate(shape):
         if isinstance(dim, bool) or not isinstance(dim, int) or (dim < 1 and dim != -1):
             raise _fail(f"{key}.shape[{i}]", dim, "a positive integer or -1")
-    return TensorSpec(_str(f"{key}.name", raw["name"]), datatype, tuple(shape))
+    finite = _bool(f"{key}.finite", raw.get("finite", False))
+    if finite and DATATYPES[datatype].kind != "f":
+        raise _fail(f"{key}.finite", finite, f"false for {datatype}, which cannot hold NaN")
+    return TensorSpec(_str(f"{key}.name", raw["name"]), datatype, tuple(shape), finite)
 
 
 def _tensors(key: str, value: Any) -> tuple[TensorSpec, ...]:

@@ -94,6 +94,11 @@ def test_the_reference_batching_keys_are_accepted_verbatim(tmp_path: Path) -> No
          "runners.iris_clf.batching.max_batch_size has value 0; it must be an integer >= 1"),
         (("enabled: true", "enabled: yes please"),
          "runners.iris_clf.batching.enabled has value 'yes please'; it must be true or false"),
+        (("datatype: FP32, shape: [-1, 4]", "datatype: INT32, shape: [-1, 4], finite: true"),
+         "runners.iris_clf.inputs[0].finite has value True; it must be false for INT32, which "
+         "cannot hold NaN"),
+        (("runners:", "api: {max_inflight: 0}\nrunners:"),
+         "api.max_inflight has value 0; it must be an integer >= 1"),
     ],
 )
 def test_values_are_checked_with_their_dotted_key(

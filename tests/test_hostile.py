@@ -7,11 +7,13 @@ import json
 import struct
 from typing import Any
 
+import numpy as np
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.errors import BatchserveError
+from api.errors import BadRequest, BatchserveError
 from api.protocol import decode_infer, parse_header_length
 from runner.config import DATATYPES, RunnerConfig, TensorSpec
 
@@ -109,3 +111,25 @@ def test_well_formed_binary_requests_decode_to_the_declared_shapes(
     call = decode_infer(head + b"".join(blobs), len(head), RUNNER)
     assert call.inputs["a"].shape == (rows, 4) and call.inputs["b"].tolist() == b
     assert call.inputs["c"].tolist() == [c[i:i + 2] for i in range(0, 2 * rows, 2)]
+
+
+FINITE = RunnerConfig(
+    name="finite", model="models:finite",
+    inputs=(TensorSpec("x", "FP32", (-1, 2), finite=True),),
+    outputs=(TensorSpec("y", "FP32", (-1, 2)),),
+)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_a_runner_that_takes_finite_values_only_refuses_nan_and_infinity(value: float) -> None:
+    blob = np.array([[1.0, value]], dtype=np.float32).tobytes()
+    head = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2],
+                                     "parameters": {"binary_data_size": len(blob)}}]})
+    with pytest.raises(BadRequest, match=r"^input 'x' holds NaN or infinity; model 'finite' "
+                                         r"takes finite values only$"):
+        decode_infer(head + blob, len(head), FINITE)
+    overflow = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,2],"data":[1,1e39]}]}'
+    with pytest.raises(BadRequest):
+        decode_infer(overflow, None, FINITE)  # beyond FP32: refused, one way or the other
+    fine = np.array([[1.0, 2.0]], dtype=np.float32).tobytes()
+    assert decode_infer(head + fine, len(head), FINITE).inputs["x"].tolist() == [[1.0, 2.0]]
