@@ -31,7 +31,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from api import protocol
+from api import openapi, protocol
 from api.dispatch import Pool, RunnerFailure
 from api.errors import (
     BadRequest,
@@ -253,6 +253,11 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]]) -> Ap
         up = service.pools[runner_of(request).name].ready
         return _json(b'{"ready":true}' if up else b'{"ready":false}', 200 if up else 503)
 
+    described = openapi.encode(config)
+
+    async def description(request: Request) -> Response:
+        return _json(described)
+
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(_registry()), media_type=CONTENT_TYPE_LATEST)
 
@@ -273,6 +278,7 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]]) -> Ap
         Route("/v2/health/ready", ready),
         Route("/v2", server_metadata),
         Route("/metrics", metrics),
+        Route("/openapi.json", description),
         *(Route(base, model_metadata) for base in (model, versioned)),
         *(Route(f"{base}/ready", model_ready) for base in (model, versioned)),
     ]
