@@ -50,6 +50,7 @@ class AdaptivePolicy:
         max_latency_s: float,
         *,
         quantile_k: float = 3.0,
+        promise_k: float = 3.3,
         sample_window: int = 128,
         half_life: float = 32.0,
         calibration_weight: float = 0.1,
@@ -73,6 +74,7 @@ class AdaptivePolicy:
             calibration_weight=calibration_weight,
             quantile_k=quantile_k,
         )
+        self.promise_k = promise_k
         self.calibration_repeats = calibration_repeats
         self.refit_every = refit_every
         self.refit_period_s = refit_period_s
@@ -246,11 +248,18 @@ class AdaptivePolicy:
         Noise within the normal spread is independent from batch to batch and adds in
         quadrature. The heavy tail beyond it (contention, measured as the stretches' own 99th
         percentile) adds as a `TAIL_INDEX`-norm: nearer the largest batch's than quadrature's.
-        For one batch both give `mean * (factor - 1)`, the honest p99 of `Fit.high`.
+
+        The normal part is taken at `promise_k` spreads rather than the model's `k` (which
+        keeps `Fit.high` the honest p99 of one batch, and the shift band): the
+        late target is 0.1% of requests, and in overload nearly every admitted request sits
+        at the edge of its promise, so a promise must hold 99.9% of the time (3.09 sigma),
+        with a little more for a spread estimated from a few hundred batches and for the
+        right skew of multiplicative noise.
         """
-        normal = min(self._margin, self.model.quantile_k * self._fit.spread)
+        k = self.model.quantile_k
+        normal = min(self._margin, k * self._fit.spread)
         tail = self._margin - normal
-        return normal * math.sqrt(sums.squares) + tail * sums.tail_norm()
+        return self.promise_k / k * normal * math.sqrt(sums.squares) + tail * sums.tail_norm()
 
     def _next_start(self, now: float) -> tuple[float, float]:
         """When the next batch is expected to start, and the mean time of the running batch

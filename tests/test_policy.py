@@ -61,8 +61,10 @@ def test_the_heavy_tail_adds_over_batches_as_a_cube_norm_the_normal_spread_in_qu
     policy.offer(request(1, 0.0), 0.0)
     assert policy.poll(0.0).batch is not None  # runs until 0.04 in the mean
     one = 0.04
-    # The running batch plus the request's own: 0.08 in the mean.
-    expected = 0.08 + 0.15 * math.sqrt(2.0) * one + 0.85 * 2.0 ** (1.0 / 3.0) * one
+    # The running batch plus the request's own: 0.08 in the mean; the normal part is promised
+    # at 3.3 spreads, not the model's 3.
+    normal = 0.15 * 3.3 / 3.0
+    expected = 0.08 + normal * math.sqrt(2.0) * one + 0.85 * 2.0 ** (1.0 / 3.0) * one
     assert policy.promise(1, 0.0) == pytest.approx(expected)
     assert policy.promise(1, 0.0) < 0.08 + 1.0 * math.sqrt(2.0) * one  # quadrature of it all
 
