@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from runner.adaptive import AdaptivePolicy, best_cap
@@ -50,6 +52,21 @@ def test_refuses_at_arrival_when_the_queue_ahead_makes_it_late() -> None:
     assert not policy.offer(request(4, 0.03), 0.03)  # a third batch: 0.135 > 0.13
     assert policy.refused == 1
     assert policy.stats(0.03).queued == 2
+
+
+def test_the_heavy_tail_adds_over_batches_as_a_cube_norm_the_normal_spread_in_quadrature() -> None:
+    policy = AdaptivePolicy(64, SLO)
+    # k * spread = 0.15 of normal noise; the stretches' own p99 says 2.0: a tail of 0.85 more.
+    policy.apply_fit(Fit(intercept_s=0.04, slope_s=0.0, spread=0.05, factor=2.0, samples=1))
+    policy.offer(request(1, 0.0), 0.0)
+    assert policy.poll(0.0).batch is not None  # runs until 0.04 in the mean
+    one = 0.04
+    # The running batch plus the request's own: 0.08 in the mean; the normal part is promised
+    # at 3.3 spreads, not the model's 3.
+    normal = 0.15 * 3.3 / 3.0
+    expected = 0.08 + normal * math.sqrt(2.0) * one + 0.85 * 2.0 ** (1.0 / 3.0) * one
+    assert policy.promise(1, 0.0) == pytest.approx(expected)
+    assert policy.promise(1, 0.0) < 0.08 + 1.0 * math.sqrt(2.0) * one  # quadrature of it all
 
 
 def test_a_request_the_cap_would_make_late_rides_the_next_batch_if_it_has_time() -> None:
