@@ -66,8 +66,7 @@ class _Job:
 
 @dataclass(slots=True)
 class _Outcome:
-    pieces: list[Tensors] | None
-    error: str | None
+    pieces: list[Tensors | str]  # each request's outputs, or why the model failed on it
     started: float
     finished: float
     cpu_s: float
@@ -258,16 +257,23 @@ class Dispatcher:
 
     def _execute(self, parts: list[Tensors], sizes: list[int]) -> _Outcome:
         """On the model thread: join, run, split; errors become an outcome, never a crash."""
-        in_dim, out_dim = self.runner.batch_dim
         started, cpu = self.clock(), self.cpu_clock()
+        pieces = self._run(parts, sizes)
+        return _Outcome(pieces, started, self.clock(), self.cpu_clock() - cpu)
+
+    def _run(self, parts: list[Tensors], sizes: list[int]) -> list[Tensors | str]:
+        """Each request's outputs; a batch the model fails on is split in halves until the
+        requests that make it fail stand alone, so only they fail (a poison request)."""
+        in_dim, out_dim = self.runner.batch_dim
         try:
             outputs = self.model(batching.concatenate(parts, in_dim))
-            pieces = batching.split(outputs, sizes, out_dim)
-            error = None
+            return list(batching.split(outputs, sizes, out_dim))
         except Exception as exc:
-            log.exception("runner %s: batch of %d rows failed", self.runner.name, sum(sizes))
-            pieces, error = None, f"{type(exc).__name__}: {exc}"
-        return _Outcome(pieces, error, started, self.clock(), self.cpu_clock() - cpu)
+            if len(parts) > 1:
+                half = len(parts) // 2
+                return self._run(parts[:half], sizes[:half]) + self._run(parts[half:], sizes[half:])
+            log.exception("runner %s: a request of %d rows failed", self.runner.name, sizes[0])
+            return [f"{type(exc).__name__}: {exc}"]
 
     def _completed(self, batch: Batch, done: Future[_Outcome]) -> None:
         """Answer the batch's requests, then poll again, whatever answering raised."""
@@ -278,12 +284,11 @@ class Dispatcher:
             outcome = done.result()
             self.policy.complete(batch, outcome.started, outcome.finished, outcome.cpu_s)
             self.metrics.batch(batch, outcome.started, outcome.finished, outcome.cpu_s)
-            if outcome.pieces is None:
-                rejection = Rejection(FailureCode.MODEL_ERROR, f"the model failed: {outcome.error}")
-                for request in batch.requests:
-                    self._answer(request.id, rejection)
-            else:
-                for request, piece in zip(batch.requests, outcome.pieces, strict=True):
+            for request, piece in zip(batch.requests, outcome.pieces, strict=True):
+                if isinstance(piece, str):
+                    self._answer(request.id, Rejection(
+                        FailureCode.MODEL_ERROR, f"the model failed: {piece}"))
+                else:
                     self._answer(request.id, piece)
         finally:
             self._pump()

@@ -31,3 +31,11 @@ def stall_echo(x: np.ndarray) -> np.ndarray:
     if (x == -1).any():
         time.sleep(0.2)
     return x
+
+
+def poison_echo(x: np.ndarray) -> np.ndarray:
+    """Echoes its input after 20 ms, but raises on any batch holding a 666."""
+    time.sleep(0.02)
+    if (x == 666).any():
+        raise ValueError("666 is poison")
+    return x

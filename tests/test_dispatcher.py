@@ -163,3 +163,26 @@ async def test_the_live_gauges_show_the_calibrated_state_before_any_traffic() ->
     assert value("batchserve_dispatcher_batch_cap", {"runner": "test-dispatcher"}) == 8
     fitted = value("batchserve_latency_model_intercept_seconds", {"runner": "test-dispatcher"})
     assert fitted == stats.intercept_s > 0.0  # calibration timed the model: a batch costs time
+
+
+async def test_a_poison_request_fails_alone_and_the_rest_of_its_batch_is_served() -> None:
+    gate = Gate()
+    d = dispatcher(gate, cap=8)
+    await d.start()
+    gate.open.clear()
+    first = asyncio.ensure_future(ask(d, rows(1)))
+    await asyncio.sleep(0.05)  # the first batch is held; the next six queue behind it
+    poison = np.full((1, 2), np.nan, np.float32)
+    queued = [asyncio.ensure_future(ask(d, poison if i == 3 else rows(1, 10 * i)))
+              for i in range(6)]
+    gate.open.set()
+    await first
+    answers = await asyncio.gather(*queued)
+    for i, answer in enumerate(answers):
+        if i == 3:
+            assert isinstance(answer, Rejection) and answer.code == FailureCode.MODEL_ERROR
+            assert answer.message == "the model failed: ValueError: NaN in the batch"
+        else:
+            assert not isinstance(answer, Rejection), answer
+            np.testing.assert_array_equal(answer["y"], rows(1, 10 * i) * 2)
+    assert not isinstance(await ask(d, rows(2)), Rejection)  # and the runner serves on

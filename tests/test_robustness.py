@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -89,3 +90,34 @@ def test_garbage_bodies_get_a_4xx_naming_the_problem_and_never_a_5xx(bundled: Se
                                  headers={"Inference-Header-Content-Length": str(len(body) // 2)})
             assert 400 <= binary.status_code < 500 or binary.status_code == 200, binary.text
         assert client.post("/v2/models/mlp/infer", content=valid).status_code == 200
+
+
+POISON = """
+runners:
+  poison:
+    model: fixture_models:poison_echo
+    batching: {max_batch_size: 32, max_latency_ms: 2000}
+    inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]
+    outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]
+"""
+
+
+def test_a_poison_request_fails_alone_with_a_500_naming_the_models_error(serve: object) -> None:
+    server: Server = serve(POISON)  # type: ignore[operator]
+
+    def one(i: int) -> httpx.Response:
+        value = 666.0 if i == 7 else float(i)
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
+                            "data": [value] * 4}]}
+        with server.client() as client:
+            return client.post("/v2/models/poison/infer", json=body)
+
+    with ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(one, range(20)))
+    codes = [answer.status_code for answer in answers]
+    assert codes == [500 if i == 7 else 200 for i in range(20)], codes
+    assert answers[7].json() == {"error": "the model failed: ValueError: 666 is poison"}
+    for i, answer in enumerate(answers):
+        if i != 7:
+            assert answer.json()["outputs"][0]["data"] == [float(i)] * 4
+    assert one(3).status_code == 200  # and the runner serves on
