@@ -93,6 +93,7 @@ class AdaptivePolicy:
         self._running: Batch | None = None
         self._done_mean = 0.0
         self._running_mean_s = 0.0
+        self._probe = -1  # the id of the last request an idle model admitted on its cost curve
         self._request_rate = RateEstimator(rate_tau_s)
         self._row_rate = RateEstimator(rate_tau_s)
         self._admitted_rate = RateEstimator(rate_tau_s)  # rows/s; refused rows never join
@@ -206,6 +207,7 @@ class AdaptivePolicy:
         request for ever.
         """
         if self._running is None and not self._queue:
+            self._probe = request.id
             return now + self._fit.cost(request.rows) <= request.deadline
         if self.promise(request.rows, now) <= request.deadline:
             return True
@@ -355,8 +357,8 @@ class AdaptivePolicy:
         return None, min(window_end, latest)
 
     def _take(self, now: float, reason: Reason) -> tuple[Batch | None, tuple[Request, ...]]:
-        """Pop a batch FIFO up to the cap, dropping requests that would be late in it even on
-        an idle machine (on the cost curve): surely wasted, whatever the stretch says."""
+        """Pop a batch FIFO up to the cap, dropping requests that would surely be late in it;
+        a probe (see `_admits`) runs whatever the model says: it is there to correct it."""
         queue = self._queue
         limit = max(self.cap, self._next_rows)
         self._next_rows = 0
@@ -374,8 +376,9 @@ class AdaptivePolicy:
                 break
             queue.popleft()
             self._queued_rows -= request.rows
-            if request.deadline < now + self._fit.cost(rows + request.rows):
-                dropped.append(request)  # late even on an idle machine: surely wasted
+            late = request.deadline < now + intercept + slope * (rows + request.rows)
+            if late and request.id != self._probe:
+                dropped.append(request)
                 continue
             taken.append(request)
             rows += request.rows
