@@ -22,13 +22,14 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def test_one_late_tick_sheds_nothing_and_two_in_a_row_start_shedding() -> None:
-    shedder = Shedder(target_s=0.005, step_up=0.05, step_down=0.01)
-    shedder.observe(0.050)
+def test_only_a_standing_lag_sheds_and_a_busy_loop_that_catches_up_does_not() -> None:
+    shedder = Shedder(target_s=0.005, window=4, step_up=0.05, step_down=0.01)
+    for lag in [0.050, 0.050, 0.050, 0.001] * 5:  # late in bursts, timely between them
+        shedder.observe(lag)
     assert shedder.share == 0.0
-    shedder.observe(0.004)
-    shedder.observe(0.050)
-    assert shedder.share == 0.0  # the late ticks were not in a row
+    for _ in range(3):
+        shedder.observe(0.050)
+    assert shedder.share == 0.0  # three late ticks: not yet a whole window
     shedder.observe(0.050)
     assert shedder.share == pytest.approx(0.05)
     for _ in range(8):
@@ -38,7 +39,7 @@ def test_one_late_tick_sheds_nothing_and_two_in_a_row_start_shedding() -> None:
 
 
 def test_the_share_falls_back_when_the_lag_does_and_never_passes_the_ceiling() -> None:
-    shedder = Shedder(step_up=0.5, step_down=0.25, ceiling=0.9)
+    shedder = Shedder(window=2, step_up=0.5, step_down=0.25, ceiling=0.9)
     for _ in range(5):
         shedder.observe(1.0)
     assert shedder.share == 0.9
