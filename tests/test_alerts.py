@@ -12,7 +12,8 @@ import yaml
 
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
 ALERTS = {
-    "BatchserveHigh503Ratio", "BatchserveLatencyAboveLimit", "BatchserveRunnerDown",
+    "BatchserveHigh503Ratio", "BatchserveLatencyAboveLimit", "BatchserveDown",
+    "BatchserveRunnerDown",
     "BatchserveRunnerRestartLoop", "BatchserveLatencyModelOff", "BatchserveQueueGrowing",
 }
 
@@ -31,7 +32,7 @@ def load(name: str) -> Any:
 
 
 def test_promtool_checks_the_scrape_config_and_its_rules() -> None:
-    assert "SUCCESS: 6 rules found" in promtool("check", "config", "prometheus.yml")
+    assert "SUCCESS: 7 rules found" in promtool("check", "config", "prometheus.yml")
 
 
 def test_every_alert_fires_on_its_synthetic_series() -> None:
