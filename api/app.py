@@ -3,7 +3,9 @@
 Each request is decoded and checked against the runner's signature here, so a runner only
 ever sees tensors that fit; its deadline starts when the whole request has arrived, and
 whatever time is left is what the runner is given. Errors of every kind leave through
-`error_response`.
+`error_response`. Every answer is counted once in `batchserve_requests_total` by status, and
+every 503 once more in `batchserve_unavailable_total` by its reason (see `api.errors`); the
+worker's in-flight counts and connected runner processes are republished every `PUBLISH_S`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from prometheus_client import (
     REGISTRY,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -61,6 +64,23 @@ request_duration = Histogram(
 requests_total = Counter(
     "batchserve_requests_total", "Inference requests answered", ["runner", "code"]
 )
+UNAVAILABLE_REASONS = ("refused", "expired", "stopping", "shed", "unreachable", "late")
+unavailable_total = Counter(
+    "batchserve_unavailable_total", "Inference requests answered 503, by why", ["runner", "reason"]
+)
+inflight_requests = Gauge(
+    "batchserve_inflight_requests", "Requests an API worker has sent to a runner, unanswered",
+    ["runner"], multiprocess_mode="liveall",
+)
+processes_connected = Gauge(
+    "batchserve_runner_processes_connected", "Runner processes an API worker is connected to",
+    ["runner"], multiprocess_mode="liveall",
+)
+processes_configured = Gauge(
+    "batchserve_runner_processes_configured", "Runner processes the configuration asks for",
+    ["runner"], multiprocess_mode="liveall",
+)
+PUBLISH_S = 1.0
 
 
 def _failure_error(runner: str, failure: RunnerFailure) -> BatchserveError:
@@ -72,7 +92,7 @@ def _failure_error(runner: str, failure: RunnerFailure) -> BatchserveError:
     if detail.code == FailureCode.REFUSED:
         return SloRefused(runner, retry)
     if detail.code == FailureCode.EXPIRED:
-        return Unavailable(detail.message, retry)
+        return Unavailable(detail.message, retry, "expired")
     if detail.code == FailureCode.STOPPING:
         return RunnerUnavailable(runner, retry)
     return BatchserveError(detail.message)
@@ -97,10 +117,23 @@ class Service:
         self.pools = {name: Pool(name, addresses.get(name, ())) for name in config.runners}
         self.shedder = Shedder()
         self.inflight = 0
+        self.waiting = dict.fromkeys(config.runners, 0)  # calls out to each runner
         self._ok = {
             name: (request_duration.labels(name, "200"), requests_total.labels(name, "200"))
             for name in config.runners
         }
+        # Every reason's series exists from the start, so a rate over it reads 0, not nothing.
+        self._unavailable = {
+            (name, reason): unavailable_total.labels(name, reason)
+            for name in config.runners for reason in UNAVAILABLE_REASONS
+        }
+
+    def publish(self) -> None:
+        """This worker's live gauges: calls in flight and runner processes connected."""
+        for name, pool in self.pools.items():
+            inflight_requests.labels(name).set(self.waiting[name])
+            processes_connected.labels(name).set(sum(link.connected for link in pool.links))
+            processes_configured.labels(name).set(len(pool.links))
 
     def runner(self, name: str, version: str | None = None) -> RunnerConfig:
         runner = self.config.runners.get(name)
@@ -115,6 +148,7 @@ class Service:
         parts = scope["path"].split("/")
         name = parts[3]
         self.inflight += 1
+        reason = ""
         try:
             runner = self.runner(name, parts[5] if len(parts) == 7 else None)
             self._shed()
@@ -123,13 +157,14 @@ class Service:
             if not isinstance(exc, BatchserveError):
                 log.exception("unexpected error answering a request", exc_info=exc)
             status, content, headers = error_response(exc)
+            reason = getattr(exc, "reason", "")
         finally:
             self.inflight -= 1
         await send({"type": "http.response.start", "status": status,
                     "headers": _raw_headers(headers, len(content))})
         await send({"type": "http.response.body", "body": content})
         if name in self._ok:
-            self._observe(name, status, started)
+            self._observe(name, status, started, reason)
 
     def _shed(self) -> None:
         """Refuse before any work when this worker is behind (see `api.overload`)."""
@@ -179,7 +214,10 @@ class Service:
 
     async def _call(self, runner: str, inputs: Tensors, budget: float) -> Tensors:
         if budget <= 0:
-            raise Unavailable(f"the request's deadline passed before it reached {runner!r}")
+            raise Unavailable(
+                f"the request's deadline passed before it reached {runner!r}", reason="late"
+            )
+        self.waiting[runner] += 1
         try:
             async with asyncio.timeout(budget + HANG_SLACK_S):
                 return await self.pools[runner].infer(inputs, budget)
@@ -187,8 +225,10 @@ class Service:
             raise _failure_error(runner, failure) from None
         except TimeoutError:
             raise Unavailable(f"runner {runner!r} did not answer in time") from None
+        finally:
+            self.waiting[runner] -= 1
 
-    def _observe(self, runner: str, status: int, started: float) -> None:
+    def _observe(self, runner: str, status: int, started: float, reason: str) -> None:
         elapsed = time.monotonic() - started
         if status == 200:
             duration, count = self._ok[runner]
@@ -198,6 +238,11 @@ class Service:
             count = requests_total.labels(runner, code)
         duration.observe(elapsed)
         count.inc()
+        if status == 503:
+            counter = self._unavailable.get((runner, reason))
+            if counter is None:  # a 503 raised without a reason of its own
+                counter = unavailable_total.labels(runner, reason or "unreachable")
+            counter.inc()
 
 
 def _json(content: bytes, status: int = 200) -> Response:
@@ -266,8 +311,10 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]]) -> Ap
         for pool in service.pools.values():
             pool.start()
         watcher = asyncio.create_task(watch(service.shedder))
+        publisher = asyncio.create_task(_publish(service))
         yield
         watcher.cancel()
+        publisher.cancel()
         for pool in service.pools.values():
             await pool.close()
 
@@ -290,6 +337,13 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]]) -> Ap
 async def _handle(request: Request, exc: Exception) -> Response:
     status, content, headers = error_response(exc)
     return Response(content, status, headers=headers)
+
+
+async def _publish(service: Service, period_s: float = PUBLISH_S) -> None:
+    """Keep this worker's gauges current whether or not requests arrive."""
+    while True:
+        service.publish()
+        await asyncio.sleep(period_s)
 
 
 def _registry() -> CollectorRegistry:

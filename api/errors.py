@@ -9,6 +9,12 @@
         ├── SloRefused              the runner refused: it cannot answer within its latency limit
         └── Overloaded              the API worker is behind and sheds load at the front
 
+Every 503 carries a `reason`, the label it is counted under in
+`batchserve_unavailable_total`: `refused`, `expired` and `stopping` are the runner's own answers
+(the same reasons as its `batchserve_rejections_total`); `shed` is the API worker's front
+shedding; `unreachable` a runner process that is down, went away or did not answer; `late` a
+request whose deadline passed before it was sent to a runner.
+
 Library code raises these; one handler, `error_response`, turns any exception into the
 JSON body `{"error": "..."}` and its headers, so every route answers errors the same way.
 """
@@ -76,9 +82,11 @@ class Unavailable(BatchserveError):
 
     status = 503
 
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+    def __init__(self, message: str, retry_after: float = 1.0, reason: str = "unreachable"
+                 ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.reason = reason
 
 
 class RunnerUnavailable(Unavailable):
@@ -87,6 +95,7 @@ class RunnerUnavailable(Unavailable):
             f"runner {runner!r} is not available (its process is down or restarting); "
             "retry shortly",
             retry_after,
+            "stopping",
         )
         self.runner = runner
 
@@ -97,13 +106,15 @@ class SloRefused(Unavailable):
             f"runner {runner!r} refused the request: it cannot be answered within the "
             "runner's latency limit; retry later",
             retry_after,
+            "refused",
         )
         self.runner = runner
 
 
 class Overloaded(Unavailable):
     def __init__(self, reason: str, retry_after: float = 1.0) -> None:
-        super().__init__(f"the server is overloaded ({reason}); retry later", retry_after)
+        super().__init__(f"the server is overloaded ({reason}); retry later", retry_after,
+                         "shed")
 
 
 _JSON = "application/json"

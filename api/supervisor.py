@@ -254,15 +254,23 @@ class Supervisor:
     def _watch(self) -> None:
         while not self.signals:
             for child in self.runners + self.apis:
-                if not child.alive and child.due(time.monotonic()):
+                if child.alive:
+                    continue
+                if child.died is None:  # seen dead for the first time
+                    self._forget_gauges(child)
+                if child.due(time.monotonic()):
                     self._replace(child)
             self.wake.wait(0.1)
+
+    def _forget_gauges(self, child: Child) -> None:
+        """Drop a dead child's live gauges at once, not after its restart pause: a scrape
+        must not show a dead runner's last state (issue 10). Its counters stay counted."""
+        if self.metrics_dir is not None and child.process is not None:
+            multiprocess.mark_process_dead(child.process.pid, str(self.metrics_dir))
 
     def _replace(self, child: Child) -> None:
         assert child.process is not None
         code = child.process.returncode
-        if self.metrics_dir is not None:
-            multiprocess.mark_process_dead(child.process.pid, str(self.metrics_dir))
         child.restarts += 1
         log.warning("%s (pid %d) exited with %s; starting a replacement (restart %d)",
                     child.name, child.process.pid, code, child.restarts)

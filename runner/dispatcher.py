@@ -6,6 +6,10 @@ wake-up the policy asked for comes due, the policy is polled; a released batch i
 run on the one model thread (off the event loop) and split back to each request. Requests
 larger than the cap are cut into pieces that batch like any other request and are joined
 again before the answer.
+
+The gauges are republished every `RunnerMetrics.PUBLISH_S` on the event loop as well as after
+batches, so a scrape of an idle runner reads idle; a rejection is counted once per whole
+request, when its one answer goes out.
 """
 
 from __future__ import annotations
@@ -44,6 +48,13 @@ class Rejection:
 
 
 Reply = Callable[[Tensors | Rejection], None]
+
+_REJECTION_REASONS = {
+    FailureCode.REFUSED: "refused",
+    FailureCode.EXPIRED: "expired",
+    FailureCode.STOPPING: "stopping",
+}
+"""The metric reason for each failure a client gets as a 503 (model errors are 500s)."""
 
 
 @dataclass(slots=True)
@@ -129,6 +140,7 @@ class Dispatcher:
         self._accepting = True
         self._refitting = False
         self._timer = _Timer()
+        self._ticker: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self._model_thread = ThreadPoolExecutor(
@@ -149,7 +161,13 @@ class Dispatcher:
                 await self._loop.run_in_executor(self._model_thread, self._time, rows, tensors)
             )
         self.policy.calibrate(timings)
-        self.metrics.publish(self.policy.stats(self.clock()))  # the fit is known before traffic
+        self._tick()  # the fit is known before traffic
+
+    def _tick(self) -> None:
+        """Republish the gauges, traffic or not: a scrape must not see a busy moment long past."""
+        assert self._loop is not None
+        self.metrics.publish(self.policy.stats(self.clock()), force=True)
+        self._ticker = self._loop.call_later(self.metrics.PUBLISH_S, self._tick)
 
     def _time(self, rows: int, tensors: Tensors) -> Timing:
         started, cpu = self.clock(), self.cpu_clock()
@@ -159,6 +177,9 @@ class Dispatcher:
     async def drain(self, grace_s: float) -> None:
         """Let queued and running work finish within `grace_s`, then refuse what is left."""
         self._accepting = False
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
         try:
             await asyncio.wait_for(self._idle.wait(), grace_s)
         except TimeoutError:
@@ -173,7 +194,7 @@ class Dispatcher:
     def submit(self, tensors: Tensors, budget_s: float, reply: Reply) -> None:
         """Queue one request; `reply` is called exactly once, on the event loop."""
         if not self._accepting:
-            reply(Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
+            self._reply(reply, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
             return
         now = self.clock()
         deadline = now + min(budget_s, self.max_latency_s)
@@ -191,7 +212,6 @@ class Dispatcher:
         ident = next(self._ids)
         self._jobs[ident] = job
         if not self.policy.offer(Request(ident, rows, now, deadline), now):
-            self.metrics.rejected("refused")
             retry = max(self.max_latency_s, 0.001)
             self._answer(ident, Rejection(
                 FailureCode.REFUSED,
@@ -208,7 +228,6 @@ class Dispatcher:
         now = self.clock()
         step = self.policy.poll(now)
         if step.expired:
-            self.metrics.rejected("expired", len(step.expired))
             for request in step.expired:
                 self._answer(request.id, Rejection(
                     FailureCode.EXPIRED,
@@ -301,7 +320,7 @@ class Dispatcher:
             return
         try:
             if job.whole is None:
-                job.reply(result)
+                self._reply(job.reply, result)
             else:
                 self._answer_piece(job, result)
         except Exception:  # one answer that cannot be sent must not strand the others
@@ -314,7 +333,7 @@ class Dispatcher:
             return
         if isinstance(result, Rejection):
             whole.answered = True
-            whole.reply(result)
+            self._reply(whole.reply, result)
             return
         whole.pieces[job.index] = result
         whole.missing -= 1
@@ -322,6 +341,14 @@ class Dispatcher:
             whole.answered = True
             pieces = [piece for piece in whole.pieces if piece is not None]
             whole.reply(batching.concatenate(pieces, self.runner.batch_dim[1]))
+
+    def _reply(self, reply: Reply, result: Tensors | Rejection) -> None:
+        """Send a whole request's one answer, counting it if it is a 503."""
+        if isinstance(result, Rejection):
+            reason = _REJECTION_REASONS.get(result.code)
+            if reason is not None:
+                self.metrics.rejected(reason)
+        reply(result)
 
     # --- refits, off the critical path --------------------------------------------------------
 

@@ -3,7 +3,13 @@
 Runners and API workers are separate processes, so metrics go through prometheus_client's
 multiprocess mode: the supervisor gives every process one `PROMETHEUS_MULTIPROC_DIR`, and an
 API worker's `/metrics` merges them. Live gauges keep one series per process (`liveall`), so
-a dead runner's gauges disappear when the supervisor marks it dead.
+a dead runner's gauges disappear when the supervisor marks it dead; a live runner republishes
+them every `PUBLISH_S` whether or not traffic flows, so an idle runner reads idle (issue 10).
+
+Counters count whole requests: a request cut into pieces (over `max_batch_size`) that is
+refused or expires counts once in `batchserve_rejections_total`, under the reason it was
+answered with. Batches are counted apart (`batchserve_batches_total` and the batch-size
+histogram, one observation per batch run).
 """
 
 from __future__ import annotations
@@ -44,8 +50,14 @@ batch_cpu = Histogram(
     ["runner"], buckets=SECONDS_BUCKETS,
 )
 rejections = Counter(
-    "batchserve_rejections_total", "Requests the runner answered without running them",
+    "batchserve_rejections_total",
+    "Whole requests the runner answered 503 without running them (pieces count once)",
     ["runner", "reason"],
+)
+REJECTION_REASONS = ("refused", "expired", "stopping")
+starts = Counter(
+    "batchserve_runner_starts_total", "Runner processes started (a restart counts again)",
+    ["runner"],
 )
 batches = Counter(
     "batchserve_batches_total", "Batches released, by the reason they were released",
@@ -61,6 +73,10 @@ _GAUGES = {
     "arrival_rps": ("batchserve_arrival_rate", "Estimated arrivals per second"),
     "queued": ("batchserve_queue_depth", "Requests waiting in the dispatcher's queue"),
 }
+latency_limit = Gauge(
+    "batchserve_runner_latency_limit_seconds", "The runner's configured max_latency_ms, in seconds",
+    ["runner"], multiprocess_mode="liveall",
+)
 gauges = {
     field: Gauge(name, text, ["runner"], multiprocess_mode="liveall")
     for field, (name, text) in _GAUGES.items()
@@ -91,9 +107,17 @@ class RunnerMetrics:
     """The metric children of one runner, resolved once so the hot path does no lookups."""
 
     GAUGE_PERIOD_S = 0.1
+    PUBLISH_S = 1.0
+    """How often the dispatcher republishes its gauges while idle: a scrape sees state at most
+    this old, and an arrival rate decays to zero within a few periods of the last arrival."""
 
-    def __init__(self, runner: str) -> None:
+    def __init__(self, runner: str, latency_limit_s: float = 0.0) -> None:
         self.runner = runner
+        starts.labels(runner).inc()
+        latency_limit.labels(runner).set(latency_limit_s)
+        # Every reason's series exists from the start, so a rate over it reads 0, not nothing.
+        self._rejections = {reason: rejections.labels(runner, reason)
+                            for reason in REJECTION_REASONS}
         self._batch_size = batch_size.labels(runner, METHOD)
         self._queue_wait = queue_wait.labels(runner)
         self._duration = batch_duration.labels(runner)
@@ -121,14 +145,21 @@ class RunnerMetrics:
             self._log.close()
             self._log = None
 
-    def rejected(self, reason: str, count: int = 1) -> None:
-        rejections.labels(self.runner, reason).inc(count)
+    def rejected(self, reason: str) -> None:
+        """One whole request answered 503 by the runner, for `reason`."""
+        counter = self._rejections.get(reason)
+        if counter is None:
+            counter = self._rejections[reason] = rejections.labels(self.runner, reason)
+        counter.inc()
 
-    def publish(self, stats: PolicyStats) -> None:
-        """Copy the policy's live state into the gauges, at most every GAUGE_PERIOD_S."""
+    def publish(self, stats: PolicyStats, force: bool = False) -> None:
+        """Copy the policy's live state into the gauges, at most every GAUGE_PERIOD_S unless
+        `force` (the periodic publish), which also flushes the batch log."""
         now = time.monotonic()
-        if now - self._published < self.GAUGE_PERIOD_S:
+        if not force and now - self._published < self.GAUGE_PERIOD_S:
             return
         self._published = now
         for field, gauge in self._gauges.items():
             gauge.set(getattr(stats, field))
+        if force and self._log is not None:
+            self._log.flush()

@@ -125,8 +125,9 @@ def build_policy(runner: RunnerConfig) -> Policy:
 
 async def serve(config: Config, runner: RunnerConfig, address: Address) -> None:
     """Load, calibrate, listen until SIGTERM/SIGINT, then drain."""
+    # Counted before the model loads, so a runner that dies loading still shows a restart loop.
+    metrics = RunnerMetrics(runner.name, runner.batching.max_latency_ms / 1000)
     model = models.load(config, runner)
-    metrics = RunnerMetrics(runner.name)
     dispatcher = Dispatcher(runner, model, build_policy(runner), metrics)
     await dispatcher.start()
     if address.scheme == "unix":

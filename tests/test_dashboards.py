@@ -20,7 +20,13 @@ HISTOGRAMS = {
     "batchserve_batch_time_ratio",
     "batchserve_batch_cpu_seconds",
 }
-COUNTERS = {"batchserve_requests_total", "batchserve_rejections_total", "batchserve_batches_total"}
+COUNTERS = {
+    "batchserve_requests_total",
+    "batchserve_rejections_total",
+    "batchserve_batches_total",
+    "batchserve_unavailable_total",
+    "batchserve_runner_starts_total",
+}
 GAUGES = {
     "batchserve_dispatcher_window_seconds",
     "batchserve_dispatcher_batch_cap",
@@ -30,6 +36,10 @@ GAUGES = {
     "batchserve_arrival_rate",
     "batchserve_queue_depth",
     "batchserve_latency_model_stretch",
+    "batchserve_runner_latency_limit_seconds",
+    "batchserve_inflight_requests",
+    "batchserve_runner_processes_connected",
+    "batchserve_runner_processes_configured",
 }
 SERIES = (
     COUNTERS
@@ -97,4 +107,16 @@ def test_quantiles_keep_le_and_gauges_are_aggregated(dashboard: dict[str, Any]) 
         if "histogram_quantile" in expr:
             assert re.search(r"sum by \(le, runner", expr), expr
         for gauge in GAUGES & set(METRIC.findall(expr)):
-            assert re.search(rf"(max|sum) by \(runner\) \({gauge}\b", expr), expr
+            assert re.search(rf"(max|min|sum) by \(runner\) \({gauge}\b", expr), expr
+
+
+def test_panels_the_first_questions_need(dashboard: dict[str, Any]) -> None:
+    """Batch sizes over time, latency against the limit, 503s by reason, model sanity."""
+    by_title = {panel["title"]: panel for panel in _panels(dashboard)}
+    assert by_title["Batch size distribution"]["type"] == "heatmap"
+    limit = [t["expr"] for t in by_title["p99 latency against the runner's limit"]["targets"]]
+    assert any("batchserve_runner_latency_limit_seconds" in expr for expr in limit)
+    reasons = by_title["503s / s by reason"]["targets"][0]["expr"]
+    assert "batchserve_unavailable_total" in reasons and "reason" in reasons
+    ratio = by_title["Observed / predicted p99 batch time"]["targets"]
+    assert any("batchserve_batch_time_ratio_bucket" in t["expr"] for t in ratio)

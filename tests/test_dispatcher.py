@@ -134,6 +134,20 @@ async def test_a_refused_request_is_answered_at_once_with_a_retry_hint() -> None
     assert answer.retry_after_s > 0 and gate.batches == []
 
 
+async def test_a_refused_request_counts_once_however_many_pieces_it_was_cut_into() -> None:
+    def refused() -> float:
+        labels = {"runner": "test-dispatcher", "reason": "refused"}
+        return REGISTRY.get_sample_value("batchserve_rejections_total", labels) or 0.0
+
+    d = dispatcher(Gate(), Refuser(4), cap=4)
+    await d.start()
+    before = refused()
+    answer = await ask(d, rows(10))  # three pieces, each refused
+    assert isinstance(answer, Rejection) and answer.code == FailureCode.REFUSED
+    await ask(d, rows(1))
+    assert refused() - before == 2
+
+
 async def test_drain_finishes_running_work_and_stops_queued_work() -> None:
     gate = Gate()
     d = dispatcher(gate)
