@@ -40,6 +40,7 @@ from api.errors import (
     BadRequest,
     BatchserveError,
     ModelNotFound,
+    ModelTimeout,
     Overloaded,
     PayloadTooLarge,
     RunnerUnavailable,
@@ -54,7 +55,8 @@ from runner.wire import Address, FailureCode, Tensors
 
 log = logging.getLogger(__name__)
 VERSION = "1"
-# A runner answers every call by its deadline; this only bounds a runner that hangs.
+# A runner answers every call by its deadline, or by its batch time limit once the call is in
+# a batch; this only bounds a runner process that hangs as a whole.
 HANG_SLACK_S = 2.0
 
 request_duration = Histogram(
@@ -95,6 +97,8 @@ def _failure_error(runner: str, failure: RunnerFailure) -> BatchserveError:
         return Unavailable(detail.message, retry, "expired")
     if detail.code == FailureCode.STOPPING:
         return RunnerUnavailable(runner, retry)
+    if detail.code == FailureCode.TIMEOUT:
+        return ModelTimeout(detail.message)
     return BatchserveError(detail.message)
 
 
@@ -219,7 +223,8 @@ class Service:
             )
         self.waiting[runner] += 1
         try:
-            async with asyncio.timeout(budget + HANG_SLACK_S):
+            limit = self.config.runners[runner].batch_timeout_s
+            async with asyncio.timeout(budget + limit + HANG_SLACK_S):
                 return await self.pools[runner].infer(inputs, budget)
         except RunnerFailure as failure:
             raise _failure_error(runner, failure) from None

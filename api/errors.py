@@ -4,6 +4,7 @@
     ├── BadRequest             400  malformed body, unknown input, wrong datatype or shape
     ├── ModelNotFound          404  no runner serves the model named in the URL
     ├── PayloadTooLarge        413  the body is over `api.max_body_bytes`
+    ├── ModelTimeout           504  the model call ran past the runner's `batch_timeout_ms`
     └── Unavailable            503  try again later; answered with `Retry-After`
         ├── RunnerUnavailable       the runner process is down, restarting or unreachable
         ├── SloRefused              the runner refused: it cannot answer within its latency limit
@@ -31,6 +32,7 @@ __all__ = [
     "BadRequest",
     "BatchserveError",
     "ModelNotFound",
+    "ModelTimeout",
     "Overloaded",
     "PayloadTooLarge",
     "RunnerUnavailable",
@@ -75,6 +77,12 @@ class PayloadTooLarge(BatchserveError):
         super().__init__(f"request body {got}exceeds the limit of {limit} bytes")
         self.limit = limit
         self.size = size
+
+
+class ModelTimeout(BatchserveError):
+    """The model did not finish the request's batch within the runner's time limit."""
+
+    status = 504
 
 
 class Unavailable(BatchserveError):

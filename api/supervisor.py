@@ -37,6 +37,9 @@ STOP_GRACE_S = 4.0
 RESTART_FIRST_S = 0.5  # pause before restarting a child that died young; doubles each time
 RESTART_MAX_S = 30.0
 STABLE_S = 60.0  # a child that lived this long is restarted at once, its record forgotten
+PING_PERIOD_S = 1.0  # how often the supervisor pings each runner
+PING_TIMEOUT_S = 2.0
+PING_MISSES = 3  # pings in a row a ready runner may miss before it is killed and replaced
 _PR_SET_PDEATHSIG = 1
 
 
@@ -64,6 +67,8 @@ class Child:
     restarts: int = 0
     failures: int = 0
     died: float | None = None
+    answered: bool = False  # answered a ping since it was last started
+    unanswered: int = 0  # pings in a row it has not answered since
 
     def due(self, now: float) -> bool:
         """Whether this dead child may start again: at once after a long life, and with a
@@ -75,6 +80,7 @@ class Child:
 
     def start(self) -> None:
         self.died = None
+        self.answered, self.unanswered = False, 0
         self.process = subprocess.Popen(
             self.command, env=self.env, pass_fds=self.pass_fds, start_new_session=True,
             stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
@@ -252,15 +258,35 @@ class Supervisor:
         log.info("batchserve ready at http://%s:%d (pid %d)", self.host, self.port, os.getpid())
 
     def _watch(self) -> None:
+        threading.Thread(target=self._ping_runners, name="pinger", daemon=True).start()
         while not self.signals:
             for child in self.runners + self.apis:
                 if child.alive:
+                    if child.unanswered >= PING_MISSES:
+                        log.error("%s (pid %d) stopped answering pings; killing it",
+                                  child.name, child.process.pid if child.process else 0)
+                        child.unanswered = 0
+                        child.signal(signal.SIGKILL)
                     continue
                 if child.died is None:  # seen dead for the first time
                     self._forget_gauges(child)
                 if child.due(time.monotonic()):
                     self._replace(child)
             self.wake.wait(0.1)
+
+    def _ping_runners(self) -> None:
+        """On its own thread: ping every runner that has answered since it started; a runner
+        that has (model loaded) and then misses PING_MISSES in a row is hung as a whole (its
+        event loop blocked, the process stopped) and the main loop replaces it."""
+        while not self.signals:
+            for child in list(self.runners):
+                if child.address is None or not child.alive:
+                    continue
+                if probe(child.address, PING_TIMEOUT_S):
+                    child.answered, child.unanswered = True, 0
+                elif child.answered:
+                    child.unanswered += 1
+            self.wake.wait(PING_PERIOD_S)
 
     def _forget_gauges(self, child: Child) -> None:
         """Drop a dead child's live gauges at once, not after its restart pause: a scrape

@@ -70,6 +70,16 @@ class RunnerConfig:
     batching: Batching = field(default_factory=Batching)
     batch_dim: tuple[int, int] = (0, 0)
     threads: int = 1
+    batch_timeout_ms: float | None = None
+
+    @property
+    def batch_timeout_s(self) -> float:
+        """How long one model call may run before its requests fail (504): by default ten
+        times the latency limit, and at least a second, well above any batch that could
+        still have answered in time."""
+        if self.batch_timeout_ms is not None:
+            return self.batch_timeout_ms / 1000.0
+        return max(10.0 * self.batching.max_latency_ms, 1000.0) / 1000.0
 
     def input(self, name: str) -> TensorSpec | None:
         return next((spec for spec in self.inputs if spec.name == name), None)
@@ -197,7 +207,10 @@ def _batch_dim(key: str, value: Any, runner: RunnerConfig) -> tuple[int, int]:
     return dims
 
 
-RUNNER_KEYS = {"model", "workers", "batching", "inputs", "outputs", "batch_dim", "threads"}
+RUNNER_KEYS = {
+    "model", "workers", "batching", "inputs", "outputs", "batch_dim", "threads",
+    "batch_timeout_ms",
+}
 
 
 def _runner(key: str, name: str, value: Any) -> RunnerConfig:
@@ -216,6 +229,8 @@ def _runner(key: str, name: str, value: Any) -> RunnerConfig:
         workers=_int(f"{key}.workers", raw.get("workers", 1), 1),
         batching=_batching(f"{key}.batching", raw.get("batching", {})),
         threads=_int(f"{key}.threads", raw.get("threads", 1), 1),
+        batch_timeout_ms=(None if raw.get("batch_timeout_ms") is None
+                          else _positive(f"{key}.batch_timeout_ms", raw["batch_timeout_ms"])),
     )
     batch_dim = _batch_dim(f"{key}.batch_dim", raw.get("batch_dim", [0, 0]), runner)
     return RunnerConfig(**{**_fields(runner), "batch_dim": batch_dim})

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from runner.policy import Batch, Policy, Request
 from runner.wire import FailureCode, Tensors
 
 log = logging.getLogger(__name__)
+EXIT_HUNG = 70  # the process exits with this when its model thread never came back
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,7 @@ class Dispatcher:
         self._refitting = False
         self._timer = _Timer()
         self._ticker: asyncio.TimerHandle | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self._model_thread = ThreadPoolExecutor(
@@ -267,6 +270,32 @@ class Dispatcher:
         sizes = [request.rows for request in batch.requests]
         future = self._model_thread.submit(self._execute, parts, sizes)
         future.add_done_callback(lambda done: self._to_loop(self._completed, batch, done))
+        self._watchdog = self._loop.call_later(
+            self.runner.batch_timeout_s, self._overran, batch
+        )
+
+    def _overran(self, batch: Batch) -> None:
+        """The model call ran past the runner's time limit: its requests fail now (504). The
+        thread cannot be stopped from outside; if it is not back within another limit, the
+        process refuses what it holds and exits, and its supervisor starts a fresh one."""
+        assert self._loop is not None
+        limit = self.runner.batch_timeout_s
+        log.error("runner %s: a batch of %d rows is still running after %g s",
+                  self.runner.name, batch.rows, limit)
+        failure = Rejection(FailureCode.TIMEOUT,
+                            f"the model did not finish the request's batch within {limit:g} s")
+        for request in batch.requests:
+            self._answer(request.id, failure)
+        self._watchdog = self._loop.call_later(limit, self._give_up)
+
+    def _give_up(self) -> None:
+        assert self._loop is not None
+        log.critical("runner %s: the model thread has not come back; exiting to be replaced",
+                     self.runner.name)
+        self._accepting = False
+        for ident in list(self._jobs):
+            self._answer(ident, Rejection(FailureCode.STOPPING, "the runner is restarting", 1.0))
+        self._loop.call_later(0.1, os._exit, EXIT_HUNG)  # after the answers reach the socket
 
     def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
         """From a worker thread: run `callback` on the loop, unless the runner has stopped."""
@@ -297,6 +326,9 @@ class Dispatcher:
     def _completed(self, batch: Batch, done: Future[_Outcome]) -> None:
         """Answer the batch's requests, then poll again, whatever answering raised."""
         self._busy = False
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         try:
             if done.cancelled():
                 return

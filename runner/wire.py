@@ -60,6 +60,7 @@ class FailureCode(enum.IntEnum):
     EXPIRED = 3  # the deadline passed while the request was queued
     MODEL_ERROR = 4  # the model raised
     STOPPING = 5  # the runner is shutting down
+    TIMEOUT = 6  # the model call ran past the runner's batch_timeout_ms
 
 
 Tensors = dict[str, np.ndarray]

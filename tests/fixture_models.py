@@ -39,3 +39,10 @@ def poison_echo(x: np.ndarray) -> np.ndarray:
     if (x == 666).any():
         raise ValueError("666 is poison")
     return x
+
+
+def hang_echo(x: np.ndarray) -> np.ndarray:
+    """Echoes its input; a batch holding a -1 hangs (a minute: longer than any test waits)."""
+    if (x == -1).any():
+        time.sleep(60)
+    return x
