@@ -51,7 +51,8 @@ from api.errors import (
 from api.overload import Shedder, watch
 from runner.config import Config, RunnerConfig
 from runner.metrics import SECONDS_BUCKETS
-from runner.wire import Address, FailureCode, Tensors
+from runner.types import Tensors
+from runner.wire import Address, FailureCode
 
 log = logging.getLogger(__name__)
 VERSION = "1"

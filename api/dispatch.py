@@ -15,6 +15,7 @@ import random
 from collections.abc import Callable, Sequence
 
 from api.errors import Unavailable
+from runner.types import Tensors
 from runner.wire import (
     Address,
     Call,
@@ -24,9 +25,7 @@ from runner.wire import (
     Message,
     Outbox,
     Ping,
-    Pong,
     Result,
-    Tensors,
     WireError,
     decode,
 )
@@ -155,11 +154,6 @@ class Pool:
         if isinstance(message, Failure):
             raise RunnerFailure(message)
         raise WireError(f"runner {self.runner!r} answered a call with {type(message).__name__}")
-
-    async def ping(self) -> None:
-        message = await self.pick().call(Ping)
-        if not isinstance(message, Pong):
-            raise WireError(f"runner {self.runner!r} answered a ping with {message!r}")
 
 
 __all__ = ["FailureCode", "Link", "Pool", "RunnerFailure"]

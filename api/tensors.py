@@ -17,7 +17,8 @@ from typing import Any, Final, NoReturn
 import numpy as np
 
 from api.errors import BadRequest, BatchserveError
-from runner.config import DATATYPES, TensorSpec
+from runner.config import TensorSpec
+from runner.types import DATATYPES
 
 __all__ = [
     "HEADER_LENGTH",

@@ -2,7 +2,7 @@
 
 Deadline-aware admission, a bounded hold under load and a closed-form cap, all driven by the
 latency model in `runner.latency_model` (issue #3, docs/dispatcher.md). It honours the contract
-in `runner.policy` and is built by name through `runner.policy.make_policy("adaptive", ...)`.
+in `runner.policy` and is built by name through `runner.policies.make_policy("adaptive", ...)`.
 """
 
 from __future__ import annotations

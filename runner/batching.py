@@ -11,7 +11,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from runner.wire import Tensors
+from runner.types import Tensors
 
 
 def rows(tensors: Tensors, dim: int) -> int:

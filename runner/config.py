@@ -18,21 +18,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-# Open Inference Protocol v2 datatypes and the numpy dtype each travels as.
-DATATYPES: dict[str, np.dtype[Any]] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype(np.uint8),
-    "UINT16": np.dtype(np.uint16),
-    "UINT32": np.dtype(np.uint32),
-    "UINT64": np.dtype(np.uint64),
-    "INT8": np.dtype(np.int8),
-    "INT16": np.dtype(np.int16),
-    "INT32": np.dtype(np.int32),
-    "INT64": np.dtype(np.int64),
-    "FP16": np.dtype(np.float16),
-    "FP32": np.dtype(np.float32),
-    "FP64": np.dtype(np.float64),
-}
+from runner.types import DATATYPES
 
 
 class ConfigError(ValueError):
@@ -80,9 +66,6 @@ class RunnerConfig:
         if self.batch_timeout_ms is not None:
             return self.batch_timeout_ms / 1000.0
         return max(10.0 * self.batching.max_latency_ms, 1000.0) / 1000.0
-
-    def input(self, name: str) -> TensorSpec | None:
-        return next((spec for spec in self.inputs if spec.name == name), None)
 
 
 @dataclass(frozen=True, slots=True)

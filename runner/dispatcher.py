@@ -34,7 +34,8 @@ from runner.latency_model import Timing
 from runner.metrics import RunnerMetrics
 from runner.models import Model
 from runner.policy import Batch, Policy, Request
-from runner.wire import FailureCode, Tensors
+from runner.types import Tensors
+from runner.wire import FailureCode
 
 log = logging.getLogger(__name__)
 EXIT_HUNG = 70  # the process exits with this when its model thread never came back

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from runner.config import Config, ConfigError, RunnerConfig, resolve
-from runner.wire import Tensors
+from runner.types import Tensors
 
 
 class ModelError(RuntimeError):

@@ -14,7 +14,7 @@ without any compute spent on them.
 
 `AdaptivePolicy` (in `runner.adaptive`) is the product, explained in docs/dispatcher.md;
 `GreedyPolicy` and the baselines in `runner.baselines` are what it is measured against.
-`make_policy` builds any of them by name for the live runner and the simulator.
+`runner.policies.make_policy` builds any of them by name for the live runner and the simulator.
 """
 
 from __future__ import annotations
@@ -174,27 +174,3 @@ class GreedyPolicy(WithoutModel):
 
     def stats(self, now: float) -> PolicyStats:
         return PolicyStats(0.0, self.cap, 0.0, 0.0, 0.0, 0.0, len(self.queue))
-
-
-PolicyKind = Literal["adaptive", "fixed", "none", "bentoml", "greedy"]
-POLICY_KINDS: tuple[str, ...] = ("adaptive", "fixed", "none", "bentoml", "greedy")
-
-
-def make_policy(kind: str, max_batch_size: int, max_latency_s: float, **kw: Any) -> Policy:
-    """Build a policy by name; the live runner and the simulator both come through here.
-
-    Extra keywords go to the policy's constructor (e.g. `window_s`, `cap` for `fixed`).
-    """
-    from runner import adaptive, baselines  # both build on the types above
-
-    factories: dict[str, Callable[..., Policy]] = {
-        "adaptive": adaptive.AdaptivePolicy,
-        "fixed": baselines.FixedPolicy,
-        "none": baselines.NoBatchingPolicy,
-        "bentoml": baselines.BentoMLPolicy,
-        "greedy": lambda size, _latency: GreedyPolicy(size),
-    }
-    factory = factories.get(kind)
-    if factory is None:
-        raise ValueError(f"policy has value {kind!r}; it must be one of {', '.join(POLICY_KINDS)}")
-    return factory(max_batch_size, max_latency_s, **kw)

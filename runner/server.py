@@ -22,7 +22,9 @@ from runner import models
 from runner.config import Config, ConfigError, RunnerConfig, load
 from runner.dispatcher import Dispatcher, Rejection
 from runner.metrics import RunnerMetrics
-from runner.policy import Policy, make_policy
+from runner.policies import make_policy
+from runner.policy import Policy
+from runner.types import Tensors
 from runner.wire import (
     Address,
     Call,
@@ -33,7 +35,6 @@ from runner.wire import (
     Ping,
     Pong,
     Result,
-    Tensors,
     WireError,
     decode,
 )

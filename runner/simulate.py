@@ -27,10 +27,10 @@ from typing import Any
 
 from runner.batch_times import BatchTimer
 from runner.latency_model import Timing
-from runner.policy import Batch, Policy, Request, make_policy
+from runner.policies import NAMES, make_policy
+from runner.policy import Batch, Policy, Request
 from runner.scenario import Cost, Phase, Scenario, load_scenario
 
-SIM_POLICIES = ("adaptive", "fixed", "none", "bentoml")
 DEFAULT_FIXED_WINDOW_MS = 5.0
 
 
@@ -356,7 +356,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a batching policy through a traffic scenario on a virtual clock.",
     )
     parser.add_argument("scenario", help="a scenario YAML file (see benchmarks/scenarios/)")
-    parser.add_argument("--policy", choices=SIM_POLICIES, default="adaptive")
+    parser.add_argument("--policy", choices=NAMES, default="adaptive")
     parser.add_argument("--window-ms", type=float, help="window of --policy fixed")
     parser.add_argument("--cap", type=int, help="batch cap of --policy fixed")
     parser.add_argument("--seed", type=int, help="override the scenario's seed")

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from runner.config import DATATYPES
+from runner.types import DATATYPES, Tensors
 
 _LENGTH = struct.Struct("<I")
 _HEAD = struct.Struct("<BQ")
@@ -63,7 +63,6 @@ class FailureCode(enum.IntEnum):
     TIMEOUT = 6  # the model call ran past the runner's batch_timeout_ms
 
 
-Tensors = dict[str, np.ndarray]
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ from runner.dispatcher import Dispatcher, Rejection
 from runner.metrics import RunnerMetrics
 from runner.models import Model
 from runner.policy import GreedyPolicy, Policy, Request
-from runner.wire import FailureCode, Tensors
+from runner.types import Tensors
+from runner.wire import FailureCode
 
 pytestmark = pytest.mark.anyio
 

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from api.errors import BadRequest, BatchserveError
 from api.protocol import decode_infer, parse_header_length
-from runner.config import DATATYPES, RunnerConfig, TensorSpec
+from runner.config import RunnerConfig, TensorSpec
+from runner.types import DATATYPES
 
 RUNNER = RunnerConfig(
     name="multi",

@@ -23,7 +23,8 @@ from runner.adaptive import AdaptivePolicy
 from runner.dispatcher import Rejection
 from runner.latency_model import Fit, Timing
 from runner.policy import Batch, Request
-from runner.wire import FailureCode, Tensors
+from runner.types import Tensors
+from runner.wire import FailureCode
 from tests.conftest import Server
 from tests.test_dispatcher import Gate, ask, dispatcher, rows
 

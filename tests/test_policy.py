@@ -9,7 +9,8 @@ import pytest
 from runner.adaptive import AdaptivePolicy, best_cap
 from runner.baselines import BentoMLPolicy, FixedPolicy, NoBatchingPolicy
 from runner.latency_model import Fit, Timing
-from runner.policy import Batch, GreedyPolicy, Request, Step, make_policy
+from runner.policies import make_policy
+from runner.policy import Batch, GreedyPolicy, Request, Step
 
 SLO = 0.1
 

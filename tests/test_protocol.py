@@ -26,7 +26,8 @@ from api.protocol import (
     parse_header_length,
     server_metadata,
 )
-from runner.config import DATATYPES, RunnerConfig, TensorSpec
+from runner.config import RunnerConfig, TensorSpec
+from runner.types import DATATYPES
 
 MLP = RunnerConfig(
     name="mlp",

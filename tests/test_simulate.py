@@ -12,7 +12,8 @@ import pytest
 
 from benchmarks.grid import CAPS, FULL_SHARE, LIMITS_MS, LOADS, RATIOS, cells, run_cell
 from runner.batch_times import BatchTimer
-from runner.policy import Batch, Request, Step, make_policy
+from runner.policies import make_policy
+from runner.policy import Batch, Request, Step
 from runner.recording import load_recording
 from runner.scenario import (
     Contention,

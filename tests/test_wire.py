@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from runner.config import DATATYPES
+from runner.types import DATATYPES
 from runner.wire import (
     Address,
     Call,
