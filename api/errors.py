@@ -120,8 +120,10 @@ class SloRefused(Unavailable):
 
 
 class Overloaded(Unavailable):
-    def __init__(self, reason: str, retry_after: float = 1.0) -> None:
-        super().__init__(f"the server is overloaded ({reason}); retry later", retry_after,
+    """Shed at the front; `why` says how the worker is behind (its `reason` is `shed`)."""
+
+    def __init__(self, why: str, retry_after: float = 1.0) -> None:
+        super().__init__(f"the server is overloaded ({why}); retry later", retry_after,
                          "shed")
 
 
