@@ -1,11 +1,11 @@
 """The HTTP front: Open Inference Protocol v2 routes over the runner pools.
 
-Each request is decoded and checked against the runner's signature here, so a runner only
-ever sees tensors that fit; its deadline starts when the whole request has arrived, and
-whatever time is left is what the runner is given. Errors of every kind leave through
-`error_response`. Every answer is counted once in `batchserve_requests_total` by status, and
-every 503 once more in `batchserve_unavailable_total` by its reason (see `api.errors`); the
-worker's in-flight counts and connected runner processes are republished every `PUBLISH_S`.
+Each request is decoded and checked against the runner's signature here, so a runner only ever sees
+tensors that fit; its deadline starts when the whole request has arrived, and whatever time is left
+is what the runner is given. Errors of every kind leave through `error_response`. Every answer is
+counted once in `batchserve_requests_total` by status, and every 503 once more in
+`batchserve_unavailable_total` by its reason (see `batchserve.api.errors`); the worker's in-flight
+counts and connected runner processes are republished every `PUBLISH_S`.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from api import openapi, protocol
-from api.dispatch import Pool, RunnerFailure
-from api.errors import (
+from batchserve.api import openapi, protocol
+from batchserve.api.dispatch import Pool, RunnerFailure
+from batchserve.api.errors import (
     BadRequest,
     BatchserveError,
     ModelNotFound,
@@ -48,11 +48,11 @@ from api.errors import (
     Unavailable,
     error_response,
 )
-from api.overload import Shedder, watch
-from runner.config import Config, RunnerConfig
-from runner.metrics import SECONDS_BUCKETS
-from runner.types import Tensors
-from runner.wire import Address, FailureCode
+from batchserve.api.overload import Shedder, watch
+from batchserve.runner.config import Config, RunnerConfig
+from batchserve.runner.metrics import SECONDS_BUCKETS
+from batchserve.runner.types import Tensors
+from batchserve.runner.wire import Address, FailureCode
 
 log = logging.getLogger(__name__)
 VERSION = "1"
@@ -172,7 +172,7 @@ class Service:
             self._observe(name, status, started, reason)
 
     def _shed(self) -> None:
-        """Refuse before any work when this worker is behind (see `api.overload`)."""
+        """Refuse before any work when this worker is behind (see `batchserve.api.overload`)."""
         if self.inflight > self.config.api.max_inflight:
             raise Overloaded(f"{self.inflight - 1} requests in flight in this API worker")
         if not self.shedder.admits(random.random()):

@@ -1,8 +1,8 @@
 """`batchserve bench`: drive a v2 infer endpoint with open-loop load and print what it measured.
 
-Why apart from `api.loadgen`: the generator knows HTTP/1.1 and Poisson arrivals but nothing of
-the Open Inference Protocol; this module builds the v2 request body it sends (JSON or binary
-tensors, the way `tritonclient.http` would) and is the command line around it.
+Why apart from `batchserve.api.loadgen`: the generator knows HTTP/1.1 and Poisson arrivals but
+nothing of the Open Inference Protocol; this module builds the v2 request body it sends (JSON or
+binary tensors, the way `tritonclient.http` would) and is the command line around it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import orjson
 
-from api.loadgen import LoadResult, loop_factory, run_load
+from batchserve.api.loadgen import LoadResult, loop_factory, run_load
 
 
 def infer_body(

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from runner.config import Config, ConfigError, load, resolve
+from batchserve.runner.config import Config, ConfigError, load, resolve
 
 CONFIG_ERROR = 3
 
@@ -27,7 +27,7 @@ def _check(path: Path) -> Config:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from api.supervisor import Supervisor
+    from batchserve.api.supervisor import Supervisor
 
     config = _check(args.config)
     api = config.api
@@ -56,7 +56,10 @@ def _forward(module: str) -> Callable[[list[str]], int]:
     return run
 
 
-FORWARDED = {"simulate": _forward("runner.simulate"), "bench": _forward("api.bench")}
+FORWARDED = {
+    "simulate": _forward("batchserve.runner.simulate"),
+    "bench": _forward("batchserve.api.bench"),
+}
 
 
 def _parser() -> argparse.ArgumentParser:

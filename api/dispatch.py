@@ -14,9 +14,9 @@ import logging
 import random
 from collections.abc import Callable, Sequence
 
-from api.errors import Unavailable
-from runner.types import Tensors
-from runner.wire import (
+from batchserve.api.errors import Unavailable
+from batchserve.runner.types import Tensors
+from batchserve.runner.wire import (
     Address,
     Call,
     Failure,

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from api.http1 import ProtocolError, ResponseParser, Target
+from batchserve.api.http1 import ProtocolError, ResponseParser, Target
 
 TRANSPORT_ERROR = 0
 """Status recorded when the connection failed (refused, reset, malformed response)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from runner.config import Config, RunnerConfig, TensorSpec
+from batchserve.runner.config import Config, RunnerConfig, TensorSpec
 
 JSON = "application/json"
 ERROR = {"$ref": "#/components/schemas/Error"}

@@ -1,11 +1,10 @@
 """Open Inference Protocol v2 (KServe / Triton REST) codec: request bodies in, response bodies out.
 
-This module owns the request and response documents: their framing, their fields and
-parameters, which inputs and outputs the runner's signature allows, and the metadata endpoints.
-What one tensor holds (its datatype, shape and data) is read and checked by `api.tensors`.
-Decoding is strict: every way a request can disagree with the runner's signature is a
-`BadRequest` that names the input and what was expected. Outputs are written by orjson or
-appended as raw bytes.
+This module owns the request and response documents: their framing, their fields and parameters,
+which inputs and outputs the runner's signature allows, and the metadata endpoints. What one tensor
+holds (its datatype, shape and data) is read and checked by `batchserve.api.tensors`. Decoding is
+strict: every way a request can disagree with the runner's signature is a `BadRequest` that names
+the input and what was expected. Outputs are written by orjson or appended as raw bytes.
 
 The binary tensor data extension (what `tritonclient.http` sends with `binary_data=True`): the
 HTTP header `Inference-Header-Content-Length: N` says the first N bytes of the body are the JSON
@@ -25,8 +24,8 @@ from typing import Any, Final
 import numpy as np
 import orjson
 
-from api.errors import BadRequest
-from api.tensors import (
+from batchserve.api.errors import BadRequest
+from batchserve.api.tensors import (
     HEADER_LENGTH,
     MISSING,
     BinaryData,
@@ -38,7 +37,7 @@ from api.tensors import (
     shape_text,
     show,
 )
-from runner.config import RunnerConfig, TensorSpec
+from batchserve.runner.config import RunnerConfig, TensorSpec
 
 __all__ = [
     "BINARY_TYPE",

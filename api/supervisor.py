@@ -27,8 +27,8 @@ from pathlib import Path
 import orjson
 from prometheus_client import multiprocess
 
-from runner.config import Config
-from runner.wire import Address, FrameReader, Ping, Pong, decode, encode
+from batchserve.runner.config import Config
+from batchserve.runner.wire import Address, FrameReader, Ping, Pong, decode, encode
 
 log = logging.getLogger("batchserve")
 RUNNER_START_S = 300.0
@@ -187,7 +187,7 @@ class Supervisor:
                 address = Address("unix", str(folder / f"{runner.name}-{index}.sock"))
                 self.runners.append(Child(
                     f"runner {runner.name}[{index}]",
-                    [sys.executable, "-m", "runner", "--config", config_arg,
+                    [sys.executable, "-m", "batchserve.runner", "--config", config_arg,
                      "--runner", runner.name, "--address", str(address)],
                     self._environment(folder, runner.threads), address=address,
                 ))
@@ -203,7 +203,7 @@ class Supervisor:
         for index in range(self.api_workers):
             self.apis.append(Child(
                 f"api worker {index}",
-                [sys.executable, "-m", "api.worker", "--config", config_arg,
+                [sys.executable, "-m", "batchserve.api.worker", "--config", config_arg,
                  "--runners", orjson.dumps(addresses).decode(), "--fd", str(listener.fileno())],
                 self._environment(folder), pass_fds=(listener.fileno(),),
             ))

@@ -1,8 +1,8 @@
 """One v2 tensor against its `TensorSpec`: declared datatype and shape, data in, output out.
 
-Why a module of its own: `api.protocol` reads the request document (its fields, parameters and
-framing); this reads what a single tensor holds, which is where the cost and the subtle checks
-are. Tensor data never passes through a per-element Python loop: JSON lists go through
+Why a module of its own: `batchserve.api.protocol` reads the request document (its fields,
+parameters and framing); this reads what a single tensor holds, which is where the cost and the
+subtle checks are. Tensor data never passes through a per-element Python loop: JSON lists go through
 `np.asarray`, binary tensors become `np.frombuffer` views into the request body (zero copy,
 read-only), and every value must fit the input's datatype in kind and range; a disagreement is a
 `BadRequest` that names the input and what was expected. A model output that disagrees with its
@@ -16,9 +16,9 @@ from typing import Any, Final, NoReturn
 
 import numpy as np
 
-from api.errors import BadRequest, BatchserveError
-from runner.config import TensorSpec
-from runner.types import DATATYPES
+from batchserve.api.errors import BadRequest, BatchserveError
+from batchserve.runner.config import TensorSpec
+from batchserve.runner.types import DATATYPES
 
 __all__ = [
     "HEADER_LENGTH",
@@ -33,8 +33,9 @@ __all__ = [
     "show",
 ]
 
-# The binary tensor data extension's HTTP header. It is defined here, below `api.protocol`,
-# because a binary input that arrives without it is refused with its name.
+# The binary tensor data extension's HTTP header. It is defined here, below
+# `batchserve.api.protocol`, because a binary input that arrives without it is refused with its
+# name.
 HEADER_LENGTH: Final = "Inference-Header-Content-Length"
 # What `from_json` is given for an input without a "data" member.
 MISSING: Final = object()

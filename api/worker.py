@@ -14,13 +14,13 @@ from collections.abc import Sequence
 import orjson
 import uvicorn
 
-from api.app import create_app
-from runner.config import load
-from runner.wire import Address
+from batchserve.api.app import create_app
+from batchserve.runner.config import load
+from batchserve.runner.wire import Address
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m api.worker")
+    parser = argparse.ArgumentParser(prog="python -m batchserve.api.worker")
     parser.add_argument("--config", required=True)
     parser.add_argument("--runners", required=True, help='JSON {"runner": ["unix:/a.sock"]}')
     parser.add_argument("--fd", type=int, required=True, help="the bound listening socket")

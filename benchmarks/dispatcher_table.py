@@ -22,10 +22,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from batchserve.runner.scenario import Scenario, load_scenario
+from batchserve.runner.simulate import Result, best_fixed, simulate
 from benchmarks import grid
 from benchmarks.targets import TARGETS, lines, verdicts
-from runner.scenario import Scenario, load_scenario
-from runner.simulate import Result, best_fixed, simulate
 
 HERE = Path(__file__).parent
 CAPACITY_BASE = "load_80"

@@ -27,9 +27,9 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from batchserve.runner.scenario import Cost, Phase, Scenario
+from batchserve.runner.simulate import Result, simulate
 from benchmarks.targets import TARGETS, Verdict, verdicts
-from runner.scenario import Cost, Phase, Scenario
-from runner.simulate import Result, simulate
 
 RATIOS = (0.5, 2.0, 10.0, 50.0)
 CAPS = (8, 32, 64, 256)

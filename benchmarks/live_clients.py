@@ -1,6 +1,7 @@
 """The two independent load clients of the live table, behind one small interface.
 
-- ``batchserve``: this project's open-loop generator (``api.loadgen.run_load``), in process.
+- ``batchserve``: this project's open-loop generator (``batchserve.api.loadgen.run_load``), in
+  process.
 - ``shared``: ``../shared/tools/loadgen.py``, an aiohttp + uvloop generator with up to 2,000
   connections, run as a subprocess that prints one JSON line.
 
@@ -20,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from api.bench import infer_body
-from api.loadgen import LoadResult, run_load
+from batchserve.api.bench import infer_body
+from batchserve.api.loadgen import LoadResult, run_load
 
 SLO_MS = 100.0
 MAX_NON_OK = 0.01
@@ -96,7 +97,8 @@ def from_load(client: str, load: LoadResult) -> RunResult:
 
 
 class OwnClient:
-    """``api.loadgen.run_load`` on the caller's event loop runner, JSON bodies of one row."""
+    """``batchserve.api.loadgen.run_load`` on the caller's event loop runner, JSON bodies of one
+    row."""
 
     name = "batchserve"
 

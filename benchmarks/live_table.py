@@ -27,7 +27,7 @@ from pathlib import Path
 
 import orjson
 
-from api.loadgen import loop_factory
+from batchserve.api.loadgen import loop_factory
 from benchmarks.live_clients import Client, OwnClient, RunResult, SharedClient
 from benchmarks.live_report import Row, Window, markdown, overload_markdown, summary
 from benchmarks.load import cpu_between, serve, tree_cpu

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import orjson
 
-from api.bench import infer_body
-from api.loadgen import LoadResult, loop_factory, run_load
+from batchserve.api.bench import infer_body
+from batchserve.api.loadgen import LoadResult, loop_factory, run_load
 
 ROOT = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")

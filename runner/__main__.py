@@ -1,5 +1,5 @@
-"""`python -m runner`: serve one runner process on its own."""
+"""`python -m batchserve.runner`: serve one runner process on its own."""
 
-from runner.server import main
+from batchserve.runner.server import main
 
 raise SystemExit(main())

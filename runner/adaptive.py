@@ -1,8 +1,9 @@
 """The adaptive batching policy: the product the baselines are measured against.
 
-Deadline-aware admission, a bounded hold under load and a closed-form cap, all driven by the
-latency model in `runner.latency_model` (issue #3, docs/dispatcher.md). It honours the contract
-in `runner.policy` and is built by name through `runner.policies.make_policy("adaptive", ...)`.
+Deadline-aware admission, a bounded hold under load and a closed-form cap, all driven by the latency
+model in `batchserve.runner.latency_model` (issue #3, docs/dispatcher.md). It honours the contract
+in `batchserve.runner.policy` and is built by name through
+`batchserve.runner.policies.make_policy("adaptive", ...)`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from runner.latency_model import Fit, LatencyModel, RateEstimator, Timing, fit_samples
-from runner.policy import Batch, PolicyStats, Reason, Request, Step
+from batchserve.runner.latency_model import Fit, LatencyModel, RateEstimator, Timing, fit_samples
+from batchserve.runner.policy import Batch, PolicyStats, Reason, Request, Step
 
 HOLD_MIN_ARRIVALS = 2.0
 """A hold is worth it only if at least this many requests are expected to arrive during it;

@@ -6,15 +6,23 @@
 - `BentoMLPolicy`: BentoML's dispatcher rule as read in its source and written down in
   ../shared/REFERENCE.md, re-implemented here as an honest baseline.
 
-All honour the same contract as `runner.adaptive.AdaptivePolicy`, so the simulator drives them
-the same way.
+All honour the same contract as `batchserve.runner.adaptive.AdaptivePolicy`, so the simulator drives
+them the same way.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from runner.policy import Batch, PolicyStats, Reason, Request, Step, WithoutModel, take_in_order
+from batchserve.runner.policy import (
+    Batch,
+    PolicyStats,
+    Reason,
+    Request,
+    Step,
+    WithoutModel,
+    take_in_order,
+)
 
 
 class FixedPolicy(WithoutModel):

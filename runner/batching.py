@@ -11,7 +11,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from runner.types import Tensors
+from batchserve.runner.types import Tensors
 
 
 def rows(tensors: Tensors, dim: int) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from runner.types import DATATYPES
+from batchserve.runner.types import DATATYPES
 
 
 class ConfigError(ValueError):

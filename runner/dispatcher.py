@@ -28,14 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from runner import batching
-from runner.config import RunnerConfig
-from runner.latency_model import Timing
-from runner.metrics import RunnerMetrics
-from runner.models import Model
-from runner.policy import Batch, Policy, Request
-from runner.types import Tensors
-from runner.wire import FailureCode
+from batchserve.runner import batching
+from batchserve.runner.config import RunnerConfig
+from batchserve.runner.latency_model import Timing
+from batchserve.runner.metrics import RunnerMetrics
+from batchserve.runner.models import Model
+from batchserve.runner.policy import Batch, Policy, Request
+from batchserve.runner.types import Tensors
+from batchserve.runner.wire import FailureCode
 
 log = logging.getLogger(__name__)
 EXIT_HUNG = 70  # the process exits with this when its model thread never came back

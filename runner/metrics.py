@@ -21,7 +21,7 @@ from typing import TextIO
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from runner.policy import Batch, PolicyStats
+from batchserve.runner.policy import Batch, PolicyStats
 
 METHOD = "__call__"
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048)

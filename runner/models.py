@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from runner.config import Config, ConfigError, RunnerConfig, resolve
-from runner.types import Tensors
+from batchserve.runner.config import Config, ConfigError, RunnerConfig, resolve
+from batchserve.runner.types import Tensors
 
 
 class ModelError(RuntimeError):

@@ -1,6 +1,6 @@
 """Every batching policy by name: the one place the live runner and the simulator build one.
 
-The policies' common types live in `runner.policy`, which knows none of them; this module
+The policies' common types live in `batchserve.runner.policy`, which knows none of them; this module
 knows them all, so neither imports the other in a circle.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from runner.adaptive import AdaptivePolicy
-from runner.baselines import BentoMLPolicy, FixedPolicy, NoBatchingPolicy
-from runner.policy import GreedyPolicy, Policy
+from batchserve.runner.adaptive import AdaptivePolicy
+from batchserve.runner.baselines import BentoMLPolicy, FixedPolicy, NoBatchingPolicy
+from batchserve.runner.policy import GreedyPolicy, Policy
 
 FACTORIES: dict[str, Callable[..., Policy]] = {
     "adaptive": AdaptivePolicy,

@@ -1,8 +1,8 @@
 """Batch times recorded on a live runner, for the simulator to replay (`cost: {replay: FILE}`).
 
 A live runner started with `BATCHSERVE_BATCH_LOG=DIR` writes one CSV line per batch, header
-`rows,wall_s,cpu_s` (`runner.metrics.open_batch_log`). A `Recording` holds such a file grouped
-by row count and answers one question: what might a batch of `n` rows take here?
+`rows,wall_s,cpu_s` (`batchserve.runner.metrics.open_batch_log`). A `Recording` holds such a
+file grouped by row count and answers one question: what might a batch of `n` rows take here?
 
 The rule (docs/dispatcher.md, "The simulator"): draw one recorded batch, uniformly, among those
 with the recorded row count `m` nearest to `n` (the smaller on a tie), and scale its wall and

@@ -1,6 +1,6 @@
 """A runner process: one model, one dispatcher, listening for framed calls.
 
-Start one by itself with `python -m runner --config configuration.yml --runner NAME
+Start one by itself with `python -m batchserve.runner --config configuration.yml --runner NAME
 --address unix:/tmp/NAME.sock`; it knows nothing of HTTP. It answers pings once the model
 is loaded and calibrated, which is how a supervisor knows it is ready. SIGTERM or SIGINT
 stops accepting, lets queued work finish for a grace period and refuses what is left.
@@ -18,14 +18,14 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from runner import models
-from runner.config import Config, ConfigError, RunnerConfig, load
-from runner.dispatcher import Dispatcher, Rejection
-from runner.metrics import RunnerMetrics
-from runner.policies import make_policy
-from runner.policy import Policy
-from runner.types import Tensors
-from runner.wire import (
+from batchserve.runner import models
+from batchserve.runner.config import Config, ConfigError, RunnerConfig, load
+from batchserve.runner.dispatcher import Dispatcher, Rejection
+from batchserve.runner.metrics import RunnerMetrics
+from batchserve.runner.policies import make_policy
+from batchserve.runner.policy import Policy
+from batchserve.runner.types import Tensors
+from batchserve.runner.wire import (
     Address,
     Call,
     Failure,
@@ -155,7 +155,9 @@ async def serve(config: Config, runner: RunnerConfig, address: Address) -> None:
 
 
 def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m runner", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m batchserve.runner", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--config", default="configuration.yml", help="configuration file")
     parser.add_argument("--runner", required=True, help="the runner name to serve")
     parser.add_argument("--address", help="unix:/path.sock or tcp:host:port")

@@ -4,11 +4,11 @@
 [--cap N] [--seed S] [--json]` (issue #3). Time is virtual: the policy sees the simulator's
 clock, a batch of n rows costs `(intercept + per_item * n) * lognormal(0, noise)` of CPU (or a
 recorded batch's), its wall time is that cost inflated by contention, a heavy tail and stalls
-when the scenario asks for them (`runner.batch_times`), and Poisson traffic is played phase by
-phase. Arrivals and request sizes come from their own random stream, so every policy meets
-exactly the same requests for a given seed.
+when the scenario asks for them (`batchserve.runner.batch_times`), and Poisson traffic is
+played phase by phase. Arrivals and request sizes come from their own random stream, so every
+policy meets exactly the same requests for a given seed.
 
-Scenario files are read and checked by `runner.scenario`.
+Scenario files are read and checked by `batchserve.runner.scenario`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from runner.batch_times import BatchTimer
-from runner.latency_model import Timing
-from runner.policies import NAMES, make_policy
-from runner.policy import Batch, Policy, Request
-from runner.scenario import Cost, Phase, Scenario, load_scenario
+from batchserve.runner.batch_times import BatchTimer
+from batchserve.runner.latency_model import Timing
+from batchserve.runner.policies import NAMES, make_policy
+from batchserve.runner.policy import Batch, Policy, Request
+from batchserve.runner.scenario import Cost, Phase, Scenario, load_scenario
 
 DEFAULT_FIXED_WINDOW_MS = 5.0
 

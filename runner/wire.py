@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from runner.types import DATATYPES, Tensors
+from batchserve.runner.types import DATATYPES, Tensors
 
 _LENGTH = struct.Struct("<I")
 _HEAD = struct.Struct("<BQ")

@@ -42,7 +42,7 @@ class Server:
 
     def runners(self) -> list[int]:
         """The runner processes below the supervisor."""
-        return [pid for pid in self.children() if b"\0-m\0runner\0" in cmdline(pid)]
+        return [pid for pid in self.children() if b"\0-m\0batchserve.runner\0" in cmdline(pid)]
 
     def stop(self, timeout: float = 15) -> int:
         if self.process.poll() is None:

@@ -17,9 +17,9 @@ import numpy as np
 import orjson
 import pytest
 
-from api import bench, http1, loadgen
-from api.http1 import ProtocolError, ResponseParser
-from api.loadgen import run_load
+from batchserve.api import bench, http1, loadgen
+from batchserve.api.http1 import ProtocolError, ResponseParser
+from batchserve.api.loadgen import run_load
 
 APP = textwrap.dedent(
     """

@@ -9,7 +9,7 @@ import pytest
 from sklearn.datasets import load_iris
 from sklearn.linear_model import LogisticRegression
 
-from runner import bundled
+from batchserve.runner import bundled
 
 
 def test_iris_is_trained_at_first_start_then_loaded_from_its_cache(

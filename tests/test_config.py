@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from runner.config import ConfigError, load
+from batchserve.runner.config import ConfigError, load
 from tests.conftest import BATCHSERVE, ROOT
 
 GOOD = """
 runners:
   iris_clf:
-    model: runner.bundled:iris_classifier
+    model: batchserve.runner.bundled:iris_classifier
     batching:
       enabled: true
       max_batch_size: 100
@@ -38,11 +38,11 @@ BAD = {
         "runners.iris_clf.batching.max_latency_ms has value -5; it must be a positive number",
     ),
     "missing model": (
-        GOOD.replace("    model: runner.bundled:iris_classifier\n", ""),
+        GOOD.replace("    model: batchserve.runner.bundled:iris_classifier\n", ""),
         "runners.iris_clf.model is missing",
     ),
     "unimportable model": (
-        GOOD.replace("runner.bundled:iris_classifier", "no_such_module:model"),
+        GOOD.replace("batchserve.runner.bundled:iris_classifier", "no_such_module:model"),
         "runners.iris_clf.model has value 'no_such_module:model'; module 'no_such_module' "
         "cannot be imported (ModuleNotFoundError: No module named 'no_such_module')",
     ),

@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from api.dispatch import Link, Pool
-from api.errors import Unavailable
-from runner.wire import Address
+from batchserve.api.dispatch import Link, Pool
+from batchserve.api.errors import Unavailable
+from batchserve.runner.wire import Address
 
 
 class FakeTransport:

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from runner.adaptive import AdaptivePolicy
-from runner.config import RunnerConfig, TensorSpec
-from runner.dispatcher import Dispatcher, Rejection
-from runner.metrics import RunnerMetrics
-from runner.models import Model
-from runner.policy import GreedyPolicy, Policy, Request
-from runner.types import Tensors
-from runner.wire import FailureCode
+from batchserve.runner.adaptive import AdaptivePolicy
+from batchserve.runner.config import RunnerConfig, TensorSpec
+from batchserve.runner.dispatcher import Dispatcher, Rejection
+from batchserve.runner.metrics import RunnerMetrics
+from batchserve.runner.models import Model
+from batchserve.runner.policy import GreedyPolicy, Policy, Request
+from batchserve.runner.types import Tensors
+from batchserve.runner.wire import FailureCode
 
 pytestmark = pytest.mark.anyio
 

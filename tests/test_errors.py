@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from api.errors import (
+from batchserve.api.errors import (
     BadRequest,
     BatchserveError,
     ModelNotFound,

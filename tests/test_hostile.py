@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.errors import BadRequest, BatchserveError
-from api.protocol import decode_infer, parse_header_length
-from runner.config import RunnerConfig, TensorSpec
-from runner.types import DATATYPES
+from batchserve.api.errors import BadRequest, BatchserveError
+from batchserve.api.protocol import decode_infer, parse_header_length
+from batchserve.runner.config import RunnerConfig, TensorSpec
+from batchserve.runner.types import DATATYPES
 
 RUNNER = RunnerConfig(
     name="multi",

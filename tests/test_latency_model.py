@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from runner.latency_model import Fit, LatencyModel, RateEstimator, Timing, fit_samples
+from batchserve.runner.latency_model import Fit, LatencyModel, RateEstimator, Timing, fit_samples
 
 INTERCEPT_S = 0.005
 SLOPE_S = 0.0005

@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from api.loadgen import run_load
-from runner.adaptive import AdaptivePolicy
-from runner.dispatcher import Rejection
-from runner.latency_model import Fit, Timing
-from runner.policy import Batch, Request
-from runner.types import Tensors
-from runner.wire import FailureCode
+from batchserve.api.loadgen import run_load
+from batchserve.runner.adaptive import AdaptivePolicy
+from batchserve.runner.dispatcher import Rejection
+from batchserve.runner.latency_model import Fit, Timing
+from batchserve.runner.policy import Batch, Request
+from batchserve.runner.types import Tensors
+from batchserve.runner.wire import FailureCode
 from tests.conftest import Server
 from tests.test_dispatcher import Gate, ask, dispatcher, rows
 

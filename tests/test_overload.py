@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from api.app import create_app
-from api.overload import Shedder, watch
-from runner.config import parse
+from batchserve.api.app import create_app
+from batchserve.api.overload import Shedder, watch
+from batchserve.runner.config import parse
 from tests.conftest import Server
 
 pytestmark = pytest.mark.anyio
@@ -64,7 +64,7 @@ async def test_watch_measures_how_long_the_loop_was_blocked() -> None:
 MLP_ONLY = """
 runners:
   mlp:
-    model: runner.bundled:mlp
+    model: batchserve.runner.bundled:mlp
     inputs: [{name: x, datatype: FP32, shape: [-1, 256]}]
     outputs: [{name: y, datatype: FP32, shape: [-1, 16]}]
 """

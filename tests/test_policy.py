@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from runner.adaptive import AdaptivePolicy, best_cap
-from runner.baselines import BentoMLPolicy, FixedPolicy, NoBatchingPolicy
-from runner.latency_model import Fit, Timing
-from runner.policies import make_policy
-from runner.policy import Batch, GreedyPolicy, Request, Step
+from batchserve.runner.adaptive import AdaptivePolicy, best_cap
+from batchserve.runner.baselines import BentoMLPolicy, FixedPolicy, NoBatchingPolicy
+from batchserve.runner.latency_model import Fit, Timing
+from batchserve.runner.policies import make_policy
+from batchserve.runner.policy import Batch, GreedyPolicy, Request, Step
 
 SLO = 0.1
 

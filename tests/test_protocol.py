@@ -15,8 +15,8 @@ import orjson
 import pytest
 import tritonclient.http as triton
 
-from api.errors import BadRequest, BatchserveError
-from api.protocol import (
+from batchserve.api.errors import BadRequest, BatchserveError
+from batchserve.api.protocol import (
     HEADER_LENGTH,
     InferRequest,
     RequestedOutput,
@@ -26,8 +26,8 @@ from api.protocol import (
     parse_header_length,
     server_metadata,
 )
-from runner.config import RunnerConfig, TensorSpec
-from runner.types import DATATYPES
+from batchserve.runner.config import RunnerConfig, TensorSpec
+from batchserve.runner.types import DATATYPES
 
 MLP = RunnerConfig(
     name="mlp",

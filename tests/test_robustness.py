@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from api.loadgen import run_load
+from batchserve.api.loadgen import run_load
 from tests.conftest import Server, cmdline, wait_for
 
 BUSY = """
@@ -42,7 +42,7 @@ def test_overload_answers_every_request_with_200_or_503(serve: object) -> None:
 
 def test_a_killed_api_worker_is_replaced_while_the_other_keeps_serving(serve: object) -> None:
     server: Server = serve(BUSY)  # type: ignore[operator]
-    workers = [pid for pid in server.children() if b"\0-m\0api.worker\0" in cmdline(pid)]
+    workers = [pid for pid in server.children() if b"\0-m\0batchserve.api.worker\0" in cmdline(pid)]
     assert len(workers) == 2
     os.kill(workers[0], signal.SIGKILL)
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
@@ -51,7 +51,7 @@ def test_a_killed_api_worker_is_replaced_while_the_other_keeps_serving(serve: ob
             assert client.post("/v2/models/busy/infer", json=body).status_code == 200
 
     def replaced() -> bool:
-        now = [pid for pid in server.children() if b"\0-m\0api.worker\0" in cmdline(pid)]
+        now = [pid for pid in server.children() if b"\0-m\0batchserve.api.worker\0" in cmdline(pid)]
         return len(now) == 2 and workers[0] not in now
 
     wait_for(replaced, 60, "a replacement API worker")

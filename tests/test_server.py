@@ -13,7 +13,7 @@ import torch
 import tritonclient.http as triton
 from prometheus_client.parser import text_string_to_metric_families
 
-from runner.bundled import iris_classifier, mlp
+from batchserve.runner.bundled import iris_classifier, mlp
 from tests.conftest import Server, wait_for
 
 PID_CONFIG = """

@@ -10,12 +10,11 @@ from typing import Any
 
 import pytest
 
-from benchmarks.grid import CAPS, FULL_SHARE, LIMITS_MS, LOADS, RATIOS, cells, run_cell
-from runner.batch_times import BatchTimer
-from runner.policies import make_policy
-from runner.policy import Batch, Request, Step
-from runner.recording import load_recording
-from runner.scenario import (
+from batchserve.runner.batch_times import BatchTimer
+from batchserve.runner.policies import make_policy
+from batchserve.runner.policy import Batch, Request, Step
+from batchserve.runner.recording import load_recording
+from batchserve.runner.scenario import (
     Contention,
     Cost,
     ScenarioError,
@@ -24,7 +23,7 @@ from runner.scenario import (
     load_scenario,
     parse_scenario,
 )
-from runner.simulate import (
+from batchserve.runner.simulate import (
     _answered,
     _Trace,
     arrivals,
@@ -33,6 +32,7 @@ from runner.simulate import (
     main,
     simulate,
 )
+from benchmarks.grid import CAPS, FULL_SHARE, LIMITS_MS, LOADS, RATIOS, cells, run_cell
 
 SCENARIOS = Path(__file__).parent.parent / "benchmarks" / "scenarios"
 SMALL = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from api.supervisor import STABLE_S, Child, restart_pause
+from batchserve.api.supervisor import STABLE_S, Child, restart_pause
 
 
 def child_started_at(when: float) -> Child:

@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from runner.types import DATATYPES
-from runner.wire import (
+from batchserve.runner.types import DATATYPES
+from batchserve.runner.wire import (
     Address,
     Call,
     Failure,
