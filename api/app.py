@@ -45,6 +45,7 @@ from batchserve.api.errors import (
     PayloadTooLarge,
     RunnerUnavailable,
     SloRefused,
+    TooManyRows,
     Unavailable,
     error_response,
 )
@@ -100,6 +101,8 @@ def _failure_error(runner: str, failure: RunnerFailure) -> BatchserveError:
         return RunnerUnavailable(runner, retry)
     if detail.code == FailureCode.TIMEOUT:
         return ModelTimeout(detail.message)
+    if detail.code == FailureCode.TOO_LARGE:
+        return TooManyRows(detail.message)
     return BatchserveError(detail.message)
 
 

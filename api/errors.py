@@ -4,6 +4,7 @@
     ├── BadRequest             400  malformed body, unknown input, wrong datatype or shape
     ├── ModelNotFound          404  no runner serves the model named in the URL
     ├── PayloadTooLarge        413  the body is over `api.max_body_bytes`
+    ├── TooManyRows            413  more rows than the model can run within the latency limit
     ├── ModelTimeout           504  the model call ran past the runner's `batch_timeout_ms`
     └── Unavailable            503  try again later; answered with `Retry-After`
         ├── RunnerUnavailable       the runner process is down, restarting or unreachable
@@ -37,6 +38,7 @@ __all__ = [
     "PayloadTooLarge",
     "RunnerUnavailable",
     "SloRefused",
+    "TooManyRows",
     "Unavailable",
     "error_response",
 ]
@@ -77,6 +79,13 @@ class PayloadTooLarge(BatchserveError):
         super().__init__(f"request body {got}exceeds the limit of {limit} bytes")
         self.limit = limit
         self.size = size
+
+
+class TooManyRows(BatchserveError):
+    """More rows than the model runs within the latency limit even when idle: waiting cannot
+    help, so no Retry-After; the message names the rows, the time they need and the limit."""
+
+    status = 413
 
 
 class ModelTimeout(BatchserveError):

@@ -24,7 +24,8 @@ def _answer(description: str, schema: dict[str, Any] | None = None) -> dict[str,
 
 def _errors(*codes: int) -> dict[str, Any]:
     words = {400: "the request names what is wrong", 404: "no such model",
-             413: "the body is over api.max_body_bytes",
+             413: "the body is over api.max_body_bytes, or the request has more rows "
+                  "than the model runs within its latency limit",
              503: "retry after Retry-After seconds: refused for the latency limit, "
                   "overloaded, or no runner process reachable"}
     return {str(code): _answer(words[code], ERROR) for code in codes}

@@ -197,6 +197,9 @@ class AdaptivePolicy:
         self._pending_since = None
         self._use(fit)
 
+    def idle_time_s(self, rows: int) -> float:
+        return self._fit.cost(rows)
+
     # --- predictions ----------------------------------------------------------------------
 
     def _admits(self, request: Request, now: float) -> bool:

@@ -201,8 +201,12 @@ class Dispatcher:
             self._reply(reply, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
             return
         now = self.clock()
-        deadline = now + min(budget_s, self.max_latency_s)
+        limit_s = min(budget_s, self.max_latency_s)
+        deadline = now + limit_s
         rows = batching.rows(tensors, self.runner.batch_dim[0])
+        if self._least_time_s(rows) > limit_s:
+            self._reply(reply, self._too_large(rows, limit_s))
+            return
         if rows <= self.cap:
             self._offer(_Job(tensors, reply), rows, now, deadline)
             return
@@ -211,6 +215,27 @@ class Dispatcher:
         for index, piece in enumerate(pieces):
             size = batching.rows(piece, self.runner.batch_dim[0])
             self._offer(_Job(piece, reply, whole, index), size, now, deadline)
+
+    def _least_time_s(self, rows: int) -> float:
+        """What `rows` need on an idle model: full batches of the cap, then the rest."""
+        full, rest = divmod(rows, self.cap)
+        idle_time_s = self.policy.idle_time_s
+        return full * idle_time_s(self.cap) + (idle_time_s(rest) if rest else 0.0)
+
+    def _too_large(self, rows: int, limit_s: float) -> Rejection:
+        """Why a request that no wait can help is refused, with the most rows that fit."""
+        low, high = 0, rows  # the most rows that fit lies in [low, high)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if self._least_time_s(middle) <= limit_s else (low, middle)
+        advice = (f"send at most {low} rows a request" if low else
+                  "no request fits: raise max_latency_ms, or the request's timeout")
+        return Rejection(FailureCode.TOO_LARGE, (
+            f"{rows} rows need {self._least_time_s(rows) * 1000:.1f} ms on runner "
+            f"{self.runner.name!r} even when it is idle, by its current cost model, over the "
+            f"{limit_s * 1000:.1f} ms they may take (its max_latency_ms is "
+            f"{self.runner.batching.max_latency_ms:g}); {advice}"
+        ))
 
     def _offer(self, job: _Job, rows: int, now: float, deadline: float) -> None:
         ident = next(self._ids)

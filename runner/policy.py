@@ -114,6 +114,11 @@ class Policy(Protocol):
 
     def apply_fit(self, fit: Any) -> None: ...
 
+    def idle_time_s(self, rows: int) -> float:
+        """How long one batch of `rows` takes on an idle machine by the current cost curve
+        (0 for a policy without a latency model): what a request needs at the very least."""
+        ...
+
 
 def take_in_order(queue: deque[Request], cap: int) -> tuple[tuple[Request, ...], int]:
     """Pop requests in arrival order while they fit `cap` rows (always at least one)."""
@@ -140,6 +145,9 @@ class WithoutModel:
 
     def apply_fit(self, fit: Any) -> None:
         pass
+
+    def idle_time_s(self, rows: int) -> float:
+        return 0.0
 
 
 class GreedyPolicy(WithoutModel):

@@ -61,6 +61,7 @@ class FailureCode(enum.IntEnum):
     MODEL_ERROR = 4  # the model raised
     STOPPING = 5  # the runner is shutting down
     TIMEOUT = 6  # the model call ran past the runner's batch_timeout_ms
+    TOO_LARGE = 7  # too many rows to meet the limit even on an idle model
 
 
 
