@@ -42,7 +42,7 @@ class RunnerFailure(Exception):
         self.failure = failure
 
 
-class Link(asyncio.Protocol):
+class Link(asyncio.BufferedProtocol):
     """One connection to one runner process, with the calls waiting on it."""
 
     def __init__(self, runner: str, address: Address) -> None:
@@ -74,9 +74,12 @@ class Link(asyncio.Protocol):
                 future.set_exception(error)
         self.lost.set()
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
         try:
-            for body in self.reader.feed(data):
+            for body in self.reader.buffer_updated(nbytes):
                 message = decode(body)
                 future = self.pending.pop(message.id, None)
                 if future is not None and not future.done():

@@ -64,7 +64,7 @@ def check_inputs(runner: RunnerConfig, tensors: Tensors) -> str | None:
     return None
 
 
-class Connection(asyncio.Protocol):
+class Connection(asyncio.BufferedProtocol):
     """One client connection; calls are multiplexed on it by id and answered in any order."""
 
     def __init__(self, runner: RunnerConfig, dispatcher: Dispatcher, live: set[Connection]):
@@ -84,9 +84,12 @@ class Connection(asyncio.Protocol):
         self.transport = None
         self.live.discard(self)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
         try:
-            for body in self.reader.feed(data):
+            for body in self.reader.buffer_updated(nbytes):
                 self._handle(decode(body))
         except WireError as exc:
             log.warning("runner %s: closing a connection: %s", self.runner.name, exc)

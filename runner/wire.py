@@ -22,7 +22,7 @@ import asyncio
 import enum
 import math
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,28 +199,76 @@ def decode(body: bytearray) -> Message:
     raise WireError(f"unknown frame kind {kind}")
 
 
+STAGE_BYTES = 1 << 16
+"""Bytes read at most per read while no frame is being filled in place."""
+
+
 class FrameReader:
-    """Cuts a byte stream into frame bodies, however the transport splits it."""
+    """Cuts a byte stream into frame bodies, copying each byte once at most.
+
+    Reads land in a staging buffer, where many small frames fit at once and each is copied
+    out as its own body. A frame that runs past what is staged gets its body allocated at
+    its full length, and the reads after go straight into it: a large tensor passes from
+    the socket to numpy with no copy but the kernel's. The interface is that of
+    `asyncio.BufferedProtocol` (`get_buffer`, then `buffer_updated`); `feed` serves
+    callers that hold bytes already.
+    """
 
     def __init__(self) -> None:
-        self._buffer = bytearray()
+        self._stage = bytearray(STAGE_BYTES)
+        self._staged = 0  # bytes of the stage not yet cut: always a frame's start
+        self._body: bytearray | None = None  # the frame being filled in place
+        self._filled = 0
 
-    def feed(self, data: bytes) -> Iterator[bytearray]:
-        buffer = self._buffer
-        buffer += data
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        if self._body is not None:
+            return memoryview(self._body)[self._filled :]
+        return memoryview(self._stage)[self._staged :]
+
+    def buffer_updated(self, nbytes: int) -> list[bytearray]:
+        """The bodies that the `nbytes` just written into `get_buffer()` completed."""
+        body = self._body
+        if body is None:
+            self._staged += nbytes
+            return self._cut()
+        self._filled += nbytes
+        if self._filled < len(body):
+            return []
+        self._body = None
+        return [body]
+
+    def feed(self, data: bytes) -> list[bytearray]:
+        bodies: list[bytearray] = []
+        view = memoryview(data)
+        while view:
+            buffer = self.get_buffer()
+            count = min(len(buffer), len(view))
+            buffer[:count] = view[:count]
+            bodies += self.buffer_updated(count)
+            view = view[count:]
+        return bodies
+
+    def _cut(self) -> list[bytearray]:
+        stage, staged = self._stage, self._staged
+        bodies: list[bytearray] = []
         start = 0
-        available = len(buffer)
-        while available - start >= 4:
-            (size,) = _LENGTH.unpack_from(buffer, start)
+        while staged - start >= 4:
+            (size,) = _LENGTH.unpack_from(stage, start)
             if size >= MAX_FRAME:
                 raise WireError(f"a frame announces {size} bytes, over the wire's limit")
-            end = start + 4 + size
-            if end > available:
-                break
-            yield buffer[start + 4 : end]
-            start = end
-        if start:
-            del buffer[:start]
+            begin, end = start + 4, start + 4 + size
+            if end <= staged:
+                bodies.append(stage[begin:end])
+                start = end
+                continue
+            body = bytearray(size)
+            body[: staged - begin] = memoryview(stage)[begin:staged]
+            self._body, self._filled = body, staged - begin
+            start = staged
+        # Fewer than four bytes are left (part of a length): they move to the stage's start.
+        stage[: staged - start] = stage[start:staged]
+        self._staged = staged - start
+        return bodies
 
 
 class Outbox:
@@ -273,7 +321,7 @@ class Address:
         host, _, port = self.target.rpartition(":")
         return host, int(port)
 
-    async def serve(self, factory: Callable[[], asyncio.Protocol]) -> asyncio.Server:
+    async def serve(self, factory: Callable[[], asyncio.BaseProtocol]) -> asyncio.Server:
         loop = asyncio.get_running_loop()
         if self.scheme == "unix":
             return await loop.create_unix_server(factory, self.target)

@@ -9,6 +9,7 @@ import pytest
 
 from batchserve.runner.types import DATATYPES
 from batchserve.runner.wire import (
+    STAGE_BYTES,
     Address,
     Call,
     Failure,
@@ -67,14 +68,32 @@ def test_failures_and_pings_round_trip() -> None:
 
 
 def test_frames_survive_any_split_of_the_stream() -> None:
-    messages = [Call(i, 1.0, {"x": np.full((i + 1, 2), i, np.float32)}) for i in range(5)]
+    # Small frames, then one larger than the staging buffer, then small ones again.
+    rows = [1, 2, 3, STAGE_BYTES // 4, 4, 5]
+    messages = [Call(i, 1.0, {"x": np.full((n, 2), i, np.float32)}) for i, n in enumerate(rows)]
     stream = b"".join(frame_bytes(m) for m in messages)
-    for step in (1, 3, 7, 64, len(stream)):
+    for step in (1, 3, 7, 64, 5000, STAGE_BYTES + 1, len(stream)):
         reader = FrameReader()
         got = [decode(body) for i in range(0, len(stream), step)
                for body in reader.feed(stream[i : i + step])]
-        assert [m.id for m in got] == list(range(5))  # type: ignore[union-attr]
-        np.testing.assert_array_equal(got[4].tensors["x"], messages[4].tensors["x"])  # type: ignore[union-attr]
+        assert [m.id for m in got] == list(range(len(rows)))  # type: ignore[union-attr]
+        for sent, received in zip(messages, got, strict=True):
+            np.testing.assert_array_equal(received.tensors["x"], sent.tensors["x"])  # type: ignore[union-attr]
+
+
+def test_a_frame_larger_than_the_stage_is_read_into_its_own_body_in_place() -> None:
+    big = Call(7, 1.0, {"x": np.arange(STAGE_BYTES, dtype=np.float32)})
+    frame = frame_bytes(big)
+    reader = FrameReader()
+    assert reader.feed(frame[:1000]) == []
+    rest = reader.get_buffer()
+    assert len(rest) == len(frame) - 1000  # the body's own remaining bytes, nothing staged
+    rest[:] = frame[1000:]
+    (body,) = reader.buffer_updated(len(rest))
+    assert rest.obj is body  # the socket's bytes landed in the body: no copy after
+    tensor = decode(body).tensors["x"]  # type: ignore[union-attr]
+    assert np.shares_memory(tensor, np.frombuffer(body, np.uint8))
+    np.testing.assert_array_equal(tensor, big.tensors["x"])
 
 
 def test_a_tensor_that_overruns_its_frame_is_refused() -> None:
