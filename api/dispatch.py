@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 
 from batchserve.api.errors import Unavailable
@@ -26,12 +27,17 @@ from batchserve.runner.wire import (
     Outbox,
     Ping,
     Result,
+    Started,
     WireError,
     decode,
 )
 
 log = logging.getLogger(__name__)
 RECONNECT_S = (0.05, 1.0)  # first and longest pause between attempts
+
+
+class NotStarted(Unavailable):
+    """The connection dropped before the call's batch went to the model: it may run elsewhere."""
 
 
 class RunnerFailure(Exception):
@@ -51,6 +57,7 @@ class Link(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.outbox: Outbox | None = None
         self.pending: dict[int, asyncio.Future[Message]] = {}
+        self.started: set[int] = set()  # pending calls whose batch went to the model
         self.reader = FrameReader()
         self.next_id = 0
         self.lost = asyncio.Event()
@@ -68,10 +75,13 @@ class Link(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         pending, self.pending = self.pending, {}
-        error = Unavailable(f"runner {self.runner!r} at {self.address} went away mid-request")
-        for future in pending.values():
+        started, self.started = self.started, set()
+        where = f"runner {self.runner!r} at {self.address}"
+        ran = Unavailable(f"{where} went away while running the request")
+        waited = NotStarted(f"{where} went away before running the request")
+        for ident, future in pending.items():
             if not future.done():
-                future.set_exception(error)
+                future.set_exception(ran if ident in started else waited)
         self.lost.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -81,6 +91,9 @@ class Link(asyncio.BufferedProtocol):
         try:
             for body in self.reader.buffer_updated(nbytes):
                 message = decode(body)
+                if isinstance(message, Started):
+                    self.started.update(c for c in message.calls if c in self.pending)
+                    continue
                 future = self.pending.pop(message.id, None)
                 if future is not None and not future.done():
                     future.set_result(message)
@@ -103,6 +116,7 @@ class Link(asyncio.BufferedProtocol):
             return await future
         finally:  # cancelled by a caller's timeout: forget the call
             self.pending.pop(ident, None)
+            self.started.discard(ident)
 
     async def maintain(self) -> None:
         """Keep this link connected for as long as the task runs."""
@@ -143,15 +157,27 @@ class Pool:
     def ready(self) -> bool:
         return any(link.connected for link in self.links)
 
-    def pick(self) -> Link:
-        """A connected process, uniformly at random."""
-        links = [link for link in self.links if link.connected]
+    def pick(self, besides: Link | None = None) -> Link:
+        """A connected process (other than `besides`), uniformly at random."""
+        links = [link for link in self.links if link.connected and link is not besides]
         if not links:
             raise Unavailable(f"no process of runner {self.runner!r} is reachable")
         return links[0] if len(links) == 1 else random.choice(links)
 
     async def infer(self, tensors: Tensors, budget_s: float) -> Tensors:
-        message = await self.pick().call(lambda ident: Call(ident, budget_s, tensors))
+        """Call a process; if it goes away before running the call, once more on another
+        while the budget lasts (a call that had started is never run twice)."""
+        link = self.pick()
+        sent = time.monotonic()
+        try:
+            message = await link.call(lambda ident: Call(ident, budget_s, tensors))
+        except NotStarted:
+            left = budget_s - (time.monotonic() - sent)
+            if left <= 0 or not any(o.connected and o is not link for o in self.links):
+                raise
+            log.info("runner %s: a call not started on %s goes to another process",
+                     self.runner, link.address)
+            message = await self.pick(besides=link).call(lambda ident: Call(ident, left, tensors))
         if isinstance(message, Result):
             return message.tensors
         if isinstance(message, Failure):
@@ -159,4 +185,4 @@ class Pool:
         raise WireError(f"runner {self.runner!r} answered a call with {type(message).__name__}")
 
 
-__all__ = ["FailureCode", "Link", "Pool", "RunnerFailure"]
+__all__ = ["FailureCode", "Link", "NotStarted", "Pool", "RunnerFailure"]

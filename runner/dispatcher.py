@@ -51,6 +51,8 @@ class Rejection:
 
 
 Reply = Callable[[Tensors | Rejection], None]
+Started = Callable[[], None]
+"""Told when a request's batch (or one of its pieces') goes to the model."""
 
 _REJECTION_REASONS = {
     FailureCode.REFUSED: "refused",
@@ -76,6 +78,7 @@ class _Job:
     reply: Reply
     whole: _Whole | None = None
     index: int = 0
+    started: Started | None = None
 
 
 @dataclass(slots=True)
@@ -195,8 +198,11 @@ class Dispatcher:
 
     # --- arrivals -----------------------------------------------------------------------------
 
-    def submit(self, tensors: Tensors, budget_s: float, reply: Reply) -> None:
-        """Queue one request; `reply` is called exactly once, on the event loop."""
+    def submit(
+        self, tensors: Tensors, budget_s: float, reply: Reply, started: Started | None = None
+    ) -> None:
+        """Queue one request; `reply` is called exactly once, on the event loop, and `started`
+        whenever a batch holding it (or a piece of it) goes to the model."""
         if not self._accepting:
             self._reply(reply, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
             return
@@ -208,13 +214,13 @@ class Dispatcher:
             self._reply(reply, self._too_large(rows, limit_s))
             return
         if rows <= self.cap:
-            self._offer(_Job(tensors, reply), rows, now, deadline)
+            self._offer(_Job(tensors, reply, started=started), rows, now, deadline)
             return
         pieces = batching.chunk(tensors, self.runner.batch_dim[0], self.cap)
         whole = _Whole(reply, [None] * len(pieces), len(pieces))
         for index, piece in enumerate(pieces):
             size = batching.rows(piece, self.runner.batch_dim[0])
-            self._offer(_Job(piece, reply, whole, index), size, now, deadline)
+            self._offer(_Job(piece, reply, whole, index, started), size, now, deadline)
 
     def _least_time_s(self, rows: int) -> float:
         """What `rows` need on an idle model: full batches of the cap, then the rest."""
@@ -292,7 +298,11 @@ class Dispatcher:
     def _launch(self, batch: Batch) -> None:
         assert self._loop is not None, "start() runs before any request"
         self._busy = True
-        parts = [self._jobs[request.id].tensors for request in batch.requests]
+        jobs = [self._jobs[request.id] for request in batch.requests]
+        for job in jobs:
+            if job.started is not None:
+                job.started()
+        parts = [job.tensors for job in jobs]
         sizes = [request.rows for request in batch.requests]
         future = self._model_thread.submit(self._execute, parts, sizes)
         future.add_done_callback(lambda done: self._to_loop(self._completed, batch, done))

@@ -35,6 +35,7 @@ from batchserve.runner.wire import (
     Ping,
     Pong,
     Result,
+    Started,
     WireError,
     decode,
 )
@@ -74,6 +75,7 @@ class Connection(asyncio.BufferedProtocol):
         self.reader = FrameReader()
         self.transport: asyncio.Transport | None = None
         self.outbox: Outbox | None = None
+        self._starting: list[int] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -103,7 +105,8 @@ class Connection(asyncio.BufferedProtocol):
                 self._send(Failure(message.id, FailureCode.INVALID, problem))
                 return
             reply = functools.partial(self._reply, message.id)
-            self.dispatcher.submit(message.tensors, message.budget_s, reply)
+            started = functools.partial(self._started, message.id)
+            self.dispatcher.submit(message.tensors, message.budget_s, reply, started)
         elif isinstance(message, Ping):
             self._send(Pong(message.id))
         else:
@@ -115,7 +118,17 @@ class Connection(asyncio.BufferedProtocol):
         else:
             self._send(Result(ident, result))
 
-    def _send(self, message: Result | Failure | Pong) -> None:
+    def _started(self, ident: int) -> None:
+        """Gather the calls a batch starts into one Started frame, sent after this turn."""
+        if not self._starting:
+            asyncio.get_running_loop().call_soon(self._send_started)
+        self._starting.append(ident)
+
+    def _send_started(self) -> None:
+        calls, self._starting = self._starting, []
+        self._send(Started(tuple(calls)))
+
+    def _send(self, message: Result | Failure | Started | Pong) -> None:
         if self.transport is not None and self.outbox is not None:
             self.outbox.put(message)
 

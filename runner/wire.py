@@ -10,6 +10,7 @@ names a unix socket today and a TCP endpoint when runners move to other hosts.
     Call    := f64 budget_s | u16 count | tensor*       (API -> runner)
     Result  := u16 count | tensor*                       (runner -> API)
     Failure := u8 code | f64 retry_after_s | utf-8 text  (runner -> API)
+    Started := u32 count | u64 call_ids[count]           (runner -> API; id 0)
     Ping, Pong := (empty)
     tensor  := u8 name_len | name | u8 dtype | u8 ndim | i64 dims[ndim] | pad to 8 | data
 
@@ -35,6 +36,7 @@ _HEAD = struct.Struct("<BQ")
 _CALL = struct.Struct("<dH")
 _COUNT = struct.Struct("<H")
 _FAILURE = struct.Struct("<Bd")
+_STARTED = struct.Struct("<I")
 _DTYPES = list(DATATYPES.values())
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 MAX_FRAME = 1 << 31
@@ -50,6 +52,7 @@ class Kind(enum.IntEnum):
     FAILURE = 3
     PING = 4
     PONG = 5
+    STARTED = 6
 
 
 class FailureCode(enum.IntEnum):
@@ -88,6 +91,15 @@ class Failure:
 
 
 @dataclass(frozen=True, slots=True)
+class Started:
+    """These calls' batches went to the model: a call not named here had not started when a
+    connection drops, so its caller may send it to another process of the runner."""
+
+    calls: tuple[int, ...]
+    id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     id: int
 
@@ -97,7 +109,7 @@ class Pong:
     id: int
 
 
-Message = Call | Result | Failure | Ping | Pong
+Message = Call | Result | Failure | Started | Ping | Pong
 Chunks = list[bytes | memoryview]
 
 
@@ -139,6 +151,10 @@ def encode(message: Message) -> Chunks:
     elif isinstance(message, Failure):
         head = _HEAD.pack(Kind.FAILURE, message.id) + _FAILURE.pack(
             message.code, message.retry_after_s) + message.message.encode()
+    elif isinstance(message, Started):
+        calls = message.calls
+        head = _HEAD.pack(Kind.STARTED, message.id) + struct.pack(f"<I{len(calls)}Q", len(calls),
+                                                                   *calls)
     else:
         head = _HEAD.pack(Kind.PING if isinstance(message, Ping) else Kind.PONG, message.id)
     size = len(head) + sum(len(chunk) for chunk in out[1:])
@@ -190,6 +206,10 @@ def decode(body: bytearray) -> Message:
             code, retry = _FAILURE.unpack_from(body, offset)
             text = bytes(body[offset + _FAILURE.size :]).decode(errors="replace")
             return Failure(ident, FailureCode(code), text, retry)
+        if kind == Kind.STARTED:
+            (count,) = _STARTED.unpack_from(body, offset)
+            calls = struct.unpack_from(f"<{count}Q", body, offset + _STARTED.size)
+            return Started(calls, ident)
         if kind == Kind.PING:
             return Ping(ident)
         if kind == Kind.PONG:

@@ -14,6 +14,12 @@ def pid_echo(x: np.ndarray) -> dict[str, np.ndarray]:
     return {"echo": x, "pid": pids}
 
 
+def slow_pid_echo(x: np.ndarray) -> dict[str, np.ndarray]:
+    """`pid_echo` holding each batch for 300 ms: which process served a request in flight."""
+    time.sleep(0.3)
+    return pid_echo(x)
+
+
 def slow_echo(x: np.ndarray) -> np.ndarray:
     """Holds each batch for 300 ms, so requests are surely in flight when a test acts."""
     time.sleep(0.3)

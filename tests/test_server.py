@@ -7,6 +7,7 @@ import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -161,3 +162,37 @@ def test_killed_runner_answers_in_flight_requests_and_is_replaced(serve: object)
     wait_for(served, 120, "a replacement runner to serve again")
     replacements = server.runners()
     assert len(replacements) == 1 and runners[0] not in replacements
+
+
+def test_a_killed_runners_calls_not_started_are_retried_on_its_peer(serve: object) -> None:
+    config = PID_CONFIG.format(name="slow", model="slow_pid_echo", latency=10000,
+                               outputs=PID_OUTPUTS)
+    config = config.replace("max_batch_size: 8", "max_batch_size: 1")
+    server: Server = serve(config, "--api-workers", "1")  # type: ignore[operator]
+    victim, peer = server.runners()
+    sent = 16
+    in_flight = threading.Barrier(sent + 1)
+
+    def one(i: int) -> httpx.Response:
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
+                            "data": [i, 0, 0, 0]}]}
+        with server.client() as client:
+            in_flight.wait()
+            return client.post("/v2/models/slow/infer", json=body)
+
+    with ThreadPoolExecutor(sent) as pool:
+        futures = [pool.submit(one, i) for i in range(sent)]
+        in_flight.wait()
+        # One request a batch, 300 ms each: each process runs one and queues the rest.
+        threading.Event().wait(0.15)
+        os.kill(victim, signal.SIGKILL)
+        answers = [future.result(timeout=30) for future in futures]
+    statuses = sorted(answer.status_code for answer in answers)
+    # The one running on the killed process fails at once; every queued one runs on the peer.
+    assert statuses == [200] * (sent - 1) + [503], statuses
+    (failed,) = [answer for answer in answers if answer.status_code == 503]
+    assert failed.headers["retry-after"].isdigit()
+    assert failed.json()["error"].endswith("went away while running the request")
+    pids = {output["data"][0] for answer in answers if answer.status_code == 200
+            for output in answer.json()["outputs"] if output["name"] == "pid"}
+    assert pids == {peer}
