@@ -6,6 +6,11 @@ is what the runner is given. Errors of every kind leave through `error_response`
 counted once in `batchserve_requests_total` by status, and every 503 once more in
 `batchserve_unavailable_total` by its reason (see `batchserve.api.errors`); the worker's in-flight
 counts and connected runner processes are republished every `PUBLISH_S`.
+
+Draining (`Service.stop`, called by the worker on SIGTERM): readiness turns 503 at once, new
+inference requests are answered 503 (`stopping`) before any work, and the requests already
+accepted go on until they are answered (`Service.idle`) or the grace period ends, when those
+still waiting on a runner are answered 503 (`Service.abandon`).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from batchserve.api.errors import (
     PayloadTooLarge,
     RunnerUnavailable,
     SloRefused,
+    Stopping,
     TooManyRows,
     Unavailable,
     error_response,
@@ -57,9 +63,6 @@ from batchserve.runner.wire import Address, FailureCode
 
 log = logging.getLogger(__name__)
 VERSION = "1"
-# A runner answers every call by its deadline, or by its batch time limit once the call is in
-# a batch; this only bounds a runner process that hangs as a whole.
-HANG_SLACK_S = 2.0
 
 request_duration = Histogram(
     "batchserve_request_duration_seconds", "Inference requests from arrival to answer",
@@ -122,9 +125,12 @@ class Service:
 
     def __init__(self, config: Config, addresses: Mapping[str, Sequence[Address]]) -> None:
         self.config = config
-        self.pools = {name: Pool(name, addresses.get(name, ())) for name in config.runners}
+        self.pools = {
+            name: Pool(name, addresses.get(name, ()), config.timeouts) for name in config.runners
+        }
         self.shedder = Shedder()
-        self.inflight = 0
+        self.inflight = 0  # requests accepted and not yet answered
+        self.stopping = False
         self.waiting = dict.fromkeys(config.runners, 0)  # calls out to each runner
         self._ok = {
             name: (request_duration.labels(name, "200"), requests_total.labels(name, "200"))
@@ -143,6 +149,21 @@ class Service:
             processes_connected.labels(name).set(sum(link.connected for link in pool.links))
             processes_configured.labels(name).set(len(pool.links))
 
+    def stop(self) -> None:
+        """Take no new work from now on: readiness and new inference requests answer 503."""
+        self.stopping = True
+
+    @property
+    def idle(self) -> bool:
+        """Whether every accepted request has been answered."""
+        return self.inflight == 0
+
+    def abandon(self) -> None:
+        """The grace period is over: answer every request still waiting on a runner 503."""
+        error = Stopping("the server stopped before the runner answered; retry shortly")
+        for pool in self.pools.values():
+            pool.abandon(error)
+
     def runner(self, name: str, version: str | None = None) -> RunnerConfig:
         runner = self.config.runners.get(name)
         if runner is None or version not in (None, VERSION):
@@ -155,19 +176,22 @@ class Service:
         started = time.monotonic()
         parts = scope["path"].split("/")
         name = parts[3]
-        self.inflight += 1
         reason = ""
         try:
             runner = self.runner(name, parts[5] if len(parts) == 7 else None)
-            self._shed()
-            status, content, headers = 200, *await self._infer(scope, receive, runner)
+            if self.stopping:
+                raise Stopping()
+            self.inflight += 1
+            try:
+                self._shed()
+                status, content, headers = 200, *await self._infer(scope, receive, runner)
+            finally:
+                self.inflight -= 1
         except Exception as exc:
             if not isinstance(exc, BatchserveError):
                 log.exception("unexpected error answering a request", exc_info=exc)
             status, content, headers = error_response(exc)
             reason = getattr(exc, "reason", "")
-        finally:
-            self.inflight -= 1
         await send({"type": "http.response.start", "status": status,
                     "headers": _raw_headers(headers, len(content))})
         await send({"type": "http.response.body", "body": content})
@@ -227,8 +251,10 @@ class Service:
             )
         self.waiting[runner] += 1
         try:
+            # A runner answers by the call's deadline, or by its batch time limit once the call
+            # is in a batch; the slack only bounds a runner process that hangs as a whole.
             limit = self.config.runners[runner].batch_timeout_s
-            async with asyncio.timeout(budget + limit + HANG_SLACK_S):
+            async with asyncio.timeout(budget + limit + self.config.timeouts.call_slack_s):
                 return await self.pools[runner].infer(inputs, budget)
         except RunnerFailure as failure:
             raise _failure_error(runner, failure) from None
@@ -294,7 +320,7 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]]) -> Ap
         return _json(b"{}")
 
     async def ready(request: Request) -> Response:
-        up = all(pool.ready for pool in service.pools.values())
+        up = not service.stopping and all(pool.ready for pool in service.pools.values())
         return _json(b'{"ready":true}' if up else b'{"ready":false}', 200 if up else 503)
 
     async def server_metadata(request: Request) -> Response:
@@ -304,7 +330,7 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]]) -> Ap
         return _json(protocol.model_metadata(runner_of(request)))
 
     async def model_ready(request: Request) -> Response:
-        up = service.pools[runner_of(request).name].ready
+        up = not service.stopping and service.pools[runner_of(request).name].ready
         return _json(b'{"ready":true}' if up else b'{"ready":false}', 200 if up else 503)
 
     described = openapi.encode(config)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from batchserve.api.errors import Unavailable
+from batchserve.runner.timeouts import Timeouts
 from batchserve.runner.types import Tensors
 from batchserve.runner.wire import (
     Address,
@@ -33,7 +34,7 @@ from batchserve.runner.wire import (
 )
 
 log = logging.getLogger(__name__)
-RECONNECT_S = (0.05, 1.0)  # first and longest pause between attempts
+DEFAULT_TIMEOUTS = Timeouts()
 
 
 class NotStarted(Unavailable):
@@ -51,9 +52,12 @@ class RunnerFailure(Exception):
 class Link(asyncio.BufferedProtocol):
     """One connection to one runner process, with the calls waiting on it."""
 
-    def __init__(self, runner: str, address: Address) -> None:
+    def __init__(
+        self, runner: str, address: Address, timeouts: Timeouts = DEFAULT_TIMEOUTS
+    ) -> None:
         self.runner = runner
         self.address = address
+        self.timeouts = timeouts
         self.transport: asyncio.Transport | None = None
         self.outbox: Outbox | None = None
         self.pending: dict[int, asyncio.Future[Message]] = {}
@@ -120,24 +124,33 @@ class Link(asyncio.BufferedProtocol):
 
     async def maintain(self) -> None:
         """Keep this link connected for as long as the task runs."""
-        pause = RECONNECT_S[0]
+        first, longest = self.timeouts.reconnect_first_s, self.timeouts.reconnect_max_s
+        pause = first
         while True:
             try:
                 await self.address.connect(lambda: self)
             except OSError:
                 await asyncio.sleep(pause)
-                pause = min(pause * 2, RECONNECT_S[1])
+                pause = min(pause * 2, longest)
                 continue
-            pause = RECONNECT_S[0]
+            pause = first
             await self.lost.wait()
+
+    def abandon(self, error: Exception) -> None:
+        """Fail every call still waiting on this link with `error` (the caller gives up)."""
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(error)
 
 
 class Pool:
     """The processes of one runner, as seen from one API worker."""
 
-    def __init__(self, runner: str, addresses: Sequence[Address]) -> None:
+    def __init__(
+        self, runner: str, addresses: Sequence[Address], timeouts: Timeouts = DEFAULT_TIMEOUTS
+    ) -> None:
         self.runner = runner
-        self.links = [Link(runner, address) for address in addresses]
+        self.links = [Link(runner, address, timeouts) for address in addresses]
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -156,6 +169,11 @@ class Pool:
     @property
     def ready(self) -> bool:
         return any(link.connected for link in self.links)
+
+    def abandon(self, error: Exception) -> None:
+        """Fail every call in flight to this runner with `error`."""
+        for link in self.links:
+            link.abandon(error)
 
     def pick(self, besides: Link | None = None) -> Link:
         """A connected process (other than `besides`), uniformly at random."""

@@ -9,13 +9,15 @@
     └── Unavailable            503  try again later; answered with `Retry-After`
         ├── RunnerUnavailable       the runner process is down, restarting or unreachable
         ├── SloRefused              the runner refused: it cannot answer within its latency limit
-        └── Overloaded              the API worker is behind and sheds load at the front
+        ├── Overloaded              the API worker is behind and sheds load at the front
+        └── Stopping                the server is draining before it exits
 
 Every 503 carries a `reason`, the label it is counted under in
 `batchserve_unavailable_total`: `refused`, `expired` and `stopping` are the runner's own answers
-(the same reasons as its `batchserve_rejections_total`); `shed` is the API worker's front
-shedding; `unreachable` a runner process that is down, went away or did not answer; `late` a
-request whose deadline passed before it was sent to a runner.
+(the same reasons as its `batchserve_rejections_total`), and `stopping` is also an API worker's
+answer while it drains; `shed` is the API worker's front shedding; `unreachable` a runner
+process that is down, went away or did not answer; `late` a request whose deadline passed
+before it was sent to a runner.
 
 Library code raises these; one handler, `error_response`, turns any exception into the
 JSON body `{"error": "..."}` and its headers, so every route answers errors the same way.
@@ -38,6 +40,7 @@ __all__ = [
     "PayloadTooLarge",
     "RunnerUnavailable",
     "SloRefused",
+    "Stopping",
     "TooManyRows",
     "Unavailable",
     "error_response",
@@ -136,6 +139,14 @@ class Overloaded(Unavailable):
                          "shed")
 
 
+class Stopping(Unavailable):
+    """The API worker is draining: it takes no new work, and its answer closes the connection
+    so a client's next request opens a fresh one (to a server that still serves)."""
+
+    def __init__(self, why: str = "the server is stopping; retry shortly") -> None:
+        super().__init__(why, 1.0, "stopping")
+
+
 _JSON = "application/json"
 
 
@@ -149,4 +160,6 @@ def error_response(exc: BaseException) -> tuple[int, bytes, dict[str, str]]:
     if isinstance(exc, Unavailable):
         # HTTP wants whole seconds (RFC 9110 §10.2.3); round up so a short wait never says 0.
         headers["Retry-After"] = str(math.ceil(max(exc.retry_after, 0.0)))
+    if isinstance(exc, Stopping):
+        headers["Connection"] = "close"
     return exc.status, body, headers

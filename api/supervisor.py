@@ -4,8 +4,13 @@ Runners start first and each must answer a ping (model loaded, calibrated) befor
 worker starts; the API socket is bound once here and shared with every worker. Signal
 handlers only note the signal; the main loop acts on it. A child that dies is replaced;
 its in-flight requests were already answered 503 by the API worker that lost the
-connection. Shutdown goes in order: API workers (stop accepting, finish what they hold),
-then runners (drain), then whatever is left is killed. A second signal kills at once.
+connection. Every duration comes from the configuration's `timeouts`.
+
+Shutdown goes in order, so no request is dropped: the API workers first (they answer new
+requests 503 and finish those they hold, which the runners are still serving), then the port
+is closed (a new connection is refused, not left waiting), then the runners (they finish
+what is still queued). A process that outlives `timeouts.kill_after_s` is killed. The
+supervisor exits 0 when every child it stopped exited 0. A second signal kills at once.
 """
 
 from __future__ import annotations
@@ -28,18 +33,12 @@ import orjson
 from prometheus_client import multiprocess
 
 from batchserve.runner.config import Config
+from batchserve.runner.timeouts import Timeouts
 from batchserve.runner.wire import Address, FrameReader, Ping, Pong, decode, encode
 
 log = logging.getLogger("batchserve")
-RUNNER_START_S = 300.0
-API_START_S = 60.0
-STOP_GRACE_S = 4.0
-RESTART_FIRST_S = 0.5  # pause before restarting a child that died young; doubles each time
-RESTART_MAX_S = 30.0
-STABLE_S = 60.0  # a child that lived this long is restarted at once, its record forgotten
-PING_PERIOD_S = 1.0  # how often the supervisor pings each runner
-PING_TIMEOUT_S = 2.0
-PING_MISSES = 3  # pings in a row a ready runner may miss before it is killed and replaced
+POLL_S = 0.05  # how often start-up checks its children; signals wake every wait at once
+WATCH_S = 0.1  # how often the main loop looks for dead or hung children
 _PR_SET_PDEATHSIG = 1
 
 
@@ -70,13 +69,14 @@ class Child:
     answered: bool = False  # answered a ping since it was last started
     unanswered: int = 0  # pings in a row it has not answered since
 
-    def due(self, now: float) -> bool:
+    def due(self, now: float, timeouts: Timeouts) -> bool:
         """Whether this dead child may start again: at once after a long life, and with a
         pause that doubles with each early death in a row, so a crash loop costs little."""
         if self.died is None:
             self.died = now
-            self.failures = 0 if now - self.started >= STABLE_S else self.failures + 1
-        return now - self.died >= restart_pause(self.failures)
+            lived = now - self.started
+            self.failures = 0 if lived >= timeouts.stable_s else self.failures + 1
+        return now - self.died >= timeouts.restart_pause(self.failures)
 
     def start(self) -> None:
         self.died = None
@@ -97,14 +97,7 @@ class Child:
             self.process.send_signal(signum)
 
 
-def restart_pause(failures: int) -> float:
-    """Seconds to wait before a restart after `failures` early deaths in a row."""
-    if failures <= 0:
-        return 0.0
-    return min(RESTART_MAX_S, RESTART_FIRST_S * 2 ** (failures - 1))
-
-
-def probe(address: Address, timeout: float = 1.0) -> bool:
+def probe(address: Address, timeout: float) -> bool:
     """Whether a runner answers a ping: it is loaded, calibrated and listening."""
     family = socket.AF_UNIX if address.scheme == "unix" else socket.AF_INET
     target: str | tuple[str, int] = address.target
@@ -127,7 +120,7 @@ def probe(address: Address, timeout: float = 1.0) -> bool:
         return False
 
 
-def http_ready(host: str, port: int, timeout: float = 1.0) -> bool:
+def http_ready(host: str, port: int, timeout: float) -> bool:
     connection = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         connection.request("GET", "/v2/health/ready")
@@ -151,8 +144,13 @@ class Supervisor:
     wake: threading.Event = field(default_factory=threading.Event)
     metrics_dir: Path | None = None
 
+    @property
+    def timeouts(self) -> Timeouts:
+        return self.config.timeouts
+
     def run(self) -> int:
-        """Serve until SIGINT or SIGTERM; the exit status of the whole server."""
+        """Serve until SIGINT or SIGTERM; the exit status of the whole server: 0 when every
+        process stopped by itself, 1 when one had to be killed or start-up failed."""
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._on_signal)
         with tempfile.TemporaryDirectory(prefix="batchserve-") as folder:
@@ -160,12 +158,16 @@ class Supervisor:
                 listener = self._start(Path(folder))
             except StartupError as exc:
                 log.error("%s", exc)
-                self._stop()
+                self._stop(self.apis)
+                self._stop(self.runners)
                 return 1
             with listener:
                 self._watch()
-                self._stop()
-        return 0
+                log.info("batchserve stopping: draining the API workers, then the runners")
+                clean = self._stop(self.apis)
+            clean = self._stop(self.runners) and clean
+        log.info("batchserve stopped")
+        return 0 if clean else 1
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.signals.append(signum)
@@ -213,7 +215,8 @@ class Supervisor:
         return listener
 
     def _await_runners(self) -> None:
-        deadline = time.monotonic() + RUNNER_START_S
+        limit = self.timeouts.runner_start_s
+        deadline = time.monotonic() + limit
         waiting = list(self.runners)
         while waiting:
             if self.signals:
@@ -222,12 +225,12 @@ class Supervisor:
                 if not child.alive:
                     raise StartupError(f"{child.name} exited while starting (see its log above)")
                 assert child.address is not None
-                if probe(child.address):
+                if probe(child.address, self.timeouts.ping_timeout_s):
                     waiting.remove(child)
             if time.monotonic() > deadline:
                 names = ", ".join(child.name for child in waiting)
-                raise StartupError(f"{names} not ready within {RUNNER_START_S:.0f} s")
-            self.wake.wait(0.05)
+                raise StartupError(f"{names} not ready within {limit:g} s")
+            self.wake.wait(POLL_S)
 
     def _bind(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -245,16 +248,17 @@ class Supervisor:
         return listener
 
     def _await_api(self, listener: socket.socket) -> None:
-        deadline = time.monotonic() + API_START_S
+        limit = self.timeouts.api_start_s
+        deadline = time.monotonic() + limit
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        while not http_ready(host, self.port):
+        while not http_ready(host, self.port, self.timeouts.ping_timeout_s):
             if self.signals:
                 raise StartupError("stopped by a signal while API workers were starting")
             if not all(child.alive for child in self.apis):
                 raise StartupError("an API worker exited while starting (see its log above)")
             if time.monotonic() > deadline:
-                raise StartupError(f"the API did not become ready within {API_START_S:.0f} s")
-            self.wake.wait(0.05)
+                raise StartupError(f"the API did not become ready within {limit:g} s")
+            self.wake.wait(POLL_S)
         log.info("batchserve ready at http://%s:%d (pid %d)", self.host, self.port, os.getpid())
 
     def _watch(self) -> None:
@@ -262,7 +266,7 @@ class Supervisor:
         while not self.signals:
             for child in self.runners + self.apis:
                 if child.alive:
-                    if child.unanswered >= PING_MISSES:
+                    if child.unanswered >= self.timeouts.ping_misses:
                         log.error("%s (pid %d) stopped answering pings; killing it",
                                   child.name, child.process.pid if child.process else 0)
                         child.unanswered = 0
@@ -270,23 +274,23 @@ class Supervisor:
                     continue
                 if child.died is None:  # seen dead for the first time
                     self._forget_gauges(child)
-                if child.due(time.monotonic()):
+                if child.due(time.monotonic(), self.timeouts):
                     self._replace(child)
-            self.wake.wait(0.1)
+            self.wake.wait(WATCH_S)
 
     def _ping_runners(self) -> None:
         """On its own thread: ping every runner that has answered since it started; a runner
-        that has (model loaded) and then misses PING_MISSES in a row is hung as a whole (its
+        that has (model loaded) and then misses `ping_misses` in a row is hung as a whole (its
         event loop blocked, the process stopped) and the main loop replaces it."""
         while not self.signals:
             for child in list(self.runners):
                 if child.address is None or not child.alive:
                     continue
-                if probe(child.address, PING_TIMEOUT_S):
+                if probe(child.address, self.timeouts.ping_timeout_s):
                     child.answered, child.unanswered = True, 0
                 elif child.answered:
                     child.unanswered += 1
-            self.wake.wait(PING_PERIOD_S)
+            self.wake.wait(self.timeouts.ping_period_s)
 
     def _forget_gauges(self, child: Child) -> None:
         """Drop a dead child's live gauges at once, not after its restart pause: a scrape
@@ -302,19 +306,25 @@ class Supervisor:
                     child.name, child.process.pid, code, child.restarts)
         child.start()
 
-    def _stop(self) -> None:
-        """API workers first, then runners; kill whatever outlives its grace period."""
-        for group in (self.apis, self.runners):
-            for child in group:
-                child.signal(signal.SIGTERM)
-            deadline = time.monotonic() + STOP_GRACE_S
-            for child in group:
-                if child.process is None:
-                    continue
-                try:
-                    child.process.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop in time; killing it", child.name)
-                    child.process.kill()
-                    child.process.wait()
-        log.info("batchserve stopped")
+    def _stop(self, group: list[Child]) -> bool:
+        """Signal every live child of `group` to drain and wait for them, killing any that
+        outlives `kill_after_s`; whether every one exited 0 by itself."""
+        running = [child for child in group if child.alive]
+        for child in running:
+            child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.timeouts.kill_after_s
+        clean = True
+        for child in running:
+            assert child.process is not None
+            try:
+                code = child.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %g s; killing it",
+                            child.name, self.timeouts.kill_after_s)
+                child.process.kill()
+                code = child.process.wait()
+            level = logging.INFO if code == 0 else logging.WARNING
+            log.log(level, "%s (pid %d) stopped with exit status %s",
+                    child.name, child.process.pid, code)
+            clean = clean and code == 0
+        return clean

@@ -2,21 +2,71 @@
 
 The supervisor binds the listening socket once and hands its file descriptor to every
 worker, so all of them accept on the same port and a worker can be replaced alone.
+
+A stop signal does not close the socket at once, as uvicorn would: the worker goes on
+accepting and answers every new request 503 (`stopping`) while the requests it holds finish,
+so a client is told to go elsewhere instead of waiting in a queue nobody reads. When they are
+answered, or `timeouts.drain_s` has passed, uvicorn's own shutdown runs in what remains of
+that grace period, and the worker exits 0. A second signal exits at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
+import time
 from collections.abc import Sequence
+from types import FrameType
 
 import orjson
 import uvicorn
 
-from batchserve.api.app import create_app
+from batchserve.api.app import App, create_app
 from batchserve.runner.config import load
 from batchserve.runner.wire import Address
+
+log = logging.getLogger("batchserve.api")
+FLUSH_S = 0.5
+"""The least time uvicorn gets to write the last answers, even at the end of the grace
+period; it fits in the second a process has after its drain (`timeouts.EXIT_MARGIN_S`)."""
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains its app before it stops accepting (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, app: App, drain_s: float) -> None:
+        super().__init__(config)
+        self.app = app
+        self.drain_s = drain_s
+        self.deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Only note it, like uvicorn, but never re-raise it after the shutdown: a drained
+        # worker exits 0, not killed by its own signal.
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.drain_s
+            self.app.service.stop()
+        else:
+            self.should_exit = self.force_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.deadline is not None and not self.should_exit:
+            left = self.deadline - time.monotonic()
+            if self.app.service.idle or left <= 0:
+                self._finish(left)
+        return await super().on_tick(counter)
+
+    def _finish(self, left: float) -> None:
+        service = self.app.service
+        if not service.idle:
+            log.warning("api worker pid %d: %d request(s) unanswered after %g s; answering 503",
+                        os.getpid(), service.inflight, self.drain_s)
+            service.abandon()
+        # uvicorn's graceful wait is the rest of this grace period, not another one.
+        self.config.timeout_graceful_shutdown = max(left, FLUSH_S)  # type: ignore[assignment]
+        self.should_exit = True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,16 +83,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     app = create_app(config, addresses)
     listener = socket.socket(fileno=args.fd)
-    server = uvicorn.Server(uvicorn.Config(
+    timeouts = config.timeouts
+    server = DrainingServer(uvicorn.Config(
         app,
         loop="uvloop",
         http="httptools",
         lifespan="on",
         access_log=False,
         log_level="warning",
-        timeout_graceful_shutdown=5,
+        timeout_keep_alive=timeouts.keep_alive_s,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=timeouts.drain_s,  # type: ignore[arg-type]
         proxy_headers=False,
-    ))
+    ), app, timeouts.drain_s)
     server.run(sockets=[listener])
     return 0
 

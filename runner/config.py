@@ -11,13 +11,14 @@ import importlib
 import math
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
 
+from batchserve.runner.timeouts import Timeouts
 from batchserve.runner.types import DATATYPES
 
 
@@ -81,6 +82,7 @@ class ApiConfig:
 class Config:
     runners: Mapping[str, RunnerConfig]
     api: ApiConfig = field(default_factory=ApiConfig)
+    timeouts: Timeouts = field(default_factory=Timeouts)
     root: Path = Path(".")
 
 
@@ -242,9 +244,23 @@ def _api(key: str, value: Any) -> ApiConfig:
     )
 
 
+def _timeouts(key: str, value: Any) -> Timeouts:
+    """Each value checked alone, then together (`Timeouts` refuses an inconsistent set)."""
+    raw = _mapping(key, value, {item.name for item in fields(Timeouts)})
+    values: dict[str, Any] = {
+        name: _int(f"{key}.{name}", given, 1) if name == "ping_misses"
+        else _positive(f"{key}.{name}", given)
+        for name, given in raw.items()
+    }
+    try:
+        return Timeouts(**values)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def parse(document: Any, root: Path = Path(".")) -> Config:
     """Build a `Config` from a loaded YAML document, or raise `ConfigError`."""
-    raw = _mapping("configuration", document, {"runners", "api"})
+    raw = _mapping("configuration", document, {"runners", "api", "timeouts"})
     runners = raw.get("runners")
     if not isinstance(runners, Mapping) or not runners:
         raise _fail("runners", runners, "a mapping of at least one runner name to its settings")
@@ -253,7 +269,12 @@ def parse(document: Any, root: Path = Path(".")) -> Config:
         if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
             raise _fail("runners", name, "keyed by names of letters, digits, '_' and '-'")
         parsed[name] = _runner(f"runners.{name}", name, value)
-    return Config(runners=parsed, api=_api("api", raw.get("api", {})), root=root)
+    return Config(
+        runners=parsed,
+        api=_api("api", raw.get("api", {})),
+        timeouts=_timeouts("timeouts", raw.get("timeouts", {})),
+        root=root,
+    )
 
 
 def load(path: str | Path) -> Config:

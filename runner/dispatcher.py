@@ -181,6 +181,11 @@ class Dispatcher:
         self.model(tensors)
         return Timing(rows, self.clock() - started, self.cpu_clock() - cpu)
 
+    @property
+    def busy(self) -> bool:
+        """Whether a model call is running now."""
+        return self._busy
+
     async def drain(self, grace_s: float) -> None:
         """Let queued and running work finish within `grace_s`, then refuse what is left."""
         self._accepting = False

@@ -3,7 +3,9 @@
 Start one by itself with `python -m batchserve.runner --config configuration.yml --runner NAME
 --address unix:/tmp/NAME.sock`; it knows nothing of HTTP. It answers pings once the model
 is loaded and calibrated, which is how a supervisor knows it is ready. SIGTERM or SIGINT
-stops accepting, lets queued work finish for a grace period and refuses what is left.
+stops accepting, lets queued and running batches finish for `timeouts.drain_s`, refuses what
+is left and exits 0, without waiting for a model call that is still running then (a thread
+cannot be stopped, and the process must not outlive its grace period).
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from batchserve.runner.wire import (
 )
 
 log = logging.getLogger("runner")
-GRACE_S = 5.0
 
 
 def check_inputs(runner: RunnerConfig, tensors: Tensors) -> str | None:
@@ -140,8 +141,9 @@ def build_policy(runner: RunnerConfig) -> Policy:
     return make_policy(kind, batching.max_batch_size, batching.max_latency_ms / 1000)
 
 
-async def serve(config: Config, runner: RunnerConfig, address: Address) -> None:
-    """Load, calibrate, listen until SIGTERM/SIGINT, then drain."""
+async def serve(config: Config, runner: RunnerConfig, address: Address) -> bool:
+    """Load, calibrate, listen until SIGTERM/SIGINT, then drain; whether a model call is
+    still running after the drain."""
     # Counted before the model loads, so a runner that dies loading still shows a restart loop.
     metrics = RunnerMetrics(runner.name, runner.batching.max_latency_ms / 1000)
     model = models.load(config, runner)
@@ -158,8 +160,10 @@ async def serve(config: Config, runner: RunnerConfig, address: Address) -> None:
         loop.add_signal_handler(signum, stop.set)
     log.info("runner %s pid %d ready on %s", runner.name, os.getpid(), address)
     await stop.wait()
+    log.info("runner %s pid %d stopping: draining for up to %g s",
+             runner.name, os.getpid(), config.timeouts.drain_s)
     server.close()
-    await dispatcher.drain(GRACE_S)
+    await dispatcher.drain(config.timeouts.drain_s)
     await asyncio.sleep(0)  # let the last replies reach their transports
     for connection in list(live):
         if connection.transport is not None:
@@ -168,6 +172,7 @@ async def serve(config: Config, runner: RunnerConfig, address: Address) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(address.target)
     metrics.close()
+    return dispatcher.busy
 
 
 def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -197,10 +202,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             import uvloop
         except ImportError:
-            asyncio.run(serve(config, runner, address))
+            stuck = asyncio.run(serve(config, runner, address))
         else:
-            uvloop.run(serve(config, runner, address))
+            stuck = uvloop.run(serve(config, runner, address))
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
+    if stuck:  # the interpreter would wait for the model thread at exit, maybe for ever
+        log.warning("runner %s pid %d: a model call is still running after the drain; "
+                    "exiting without it", args.runner, os.getpid())
+        logging.shutdown()
+        os._exit(0)
     return 0

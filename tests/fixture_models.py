@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -51,4 +52,14 @@ def hang_echo(x: np.ndarray) -> np.ndarray:
     """Echoes its input; a batch holding a -1 hangs (a minute: longer than any test waits)."""
     if (x == -1).any():
         time.sleep(60)
+    return x
+
+
+def gated_echo(x: np.ndarray) -> np.ndarray:
+    """Echoes its input; a batch holding a -1 waits until a file named `gate` exists beside
+    this module, so a test decides exactly how long requests stay in flight."""
+    if (x == -1).any():
+        gate = Path(__file__).with_name("gate")
+        while not gate.exists():
+            time.sleep(0.01)
     return x

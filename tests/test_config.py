@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from batchserve.runner.config import ConfigError, load
+from batchserve.runner.timeouts import Timeouts
 from tests.conftest import BATCHSERVE, ROOT
 
 GOOD = """
@@ -40,6 +41,11 @@ BAD = {
     "missing model": (
         GOOD.replace("    model: batchserve.runner.bundled:iris_classifier\n", ""),
         "runners.iris_clf.model is missing",
+    ),
+    "inconsistent timeouts": (
+        "timeouts: {drain_s: 10}\n" + GOOD,
+        "timeouts.kill_after_s has value 8.0; it must be at least timeouts.drain_s + 1 (11), "
+        "so a process is not killed while it drains",
     ),
     "unimportable model": (
         GOOD.replace("batchserve.runner.bundled:iris_classifier", "no_such_module:model"),
@@ -99,6 +105,28 @@ def test_the_reference_batching_keys_are_accepted_verbatim(tmp_path: Path) -> No
          "cannot hold NaN"),
         (("runners:", "api: {max_inflight: 0}\nrunners:"),
          "api.max_inflight has value 0; it must be an integer >= 1"),
+        (("runners:", "timeouts: {drain_s: -1}\nrunners:"),
+         "timeouts.drain_s has value -1; it must be a positive number"),
+        (("runners:", "timeouts: {kill_after_s: .inf}\nrunners:"),
+         "timeouts.kill_after_s has value inf; it must be a positive number"),
+        (("runners:", "timeouts: {ping_misses: 1.5}\nrunners:"),
+         "timeouts.ping_misses has value 1.5; it must be an integer >= 1"),
+        (("runners:", "timeouts: {grace_s: 3}\nrunners:"),
+         "timeouts.grace_s is not a known key; known keys are: api_start_s, call_slack_s, "
+         "drain_s, keep_alive_s, kill_after_s, ping_misses, ping_period_s, ping_timeout_s, "
+         "reconnect_first_s, reconnect_max_s, restart_first_s, restart_max_s, runner_start_s, "
+         "stable_s"),
+        (("runners:", "timeouts: {drain_s: 5, kill_after_s: 5.5}\nrunners:"),
+         "timeouts.kill_after_s has value 5.5; it must be at least timeouts.drain_s + 1 (6), "
+         "so a process is not killed while it drains"),
+        (("runners:", "timeouts: {restart_first_s: 60}\nrunners:"),
+         "timeouts.restart_first_s has value 60.0; it must be at most timeouts.restart_max_s "
+         "(30)"),
+        (("runners:", "timeouts: {reconnect_max_s: 0.01}\nrunners:"),
+         "timeouts.reconnect_first_s has value 0.05; it must be at most "
+         "timeouts.reconnect_max_s (0.01)"),
+        (("runners:", "timeouts: 30\nrunners:"),
+         "timeouts has value 30; it must be a mapping"),
     ],
 )
 def test_values_are_checked_with_their_dotted_key(
@@ -116,3 +144,29 @@ def test_a_missing_file_is_one_clear_line(tmp_path: Path) -> None:
     assert result.returncode == 3
     assert result.stderr.startswith("error: cannot read configuration ")
     assert textwrap.dedent(result.stderr).count("\n") == 1
+
+
+def test_timeouts_default_when_absent_and_are_read_when_given(tmp_path: Path) -> None:
+    path = tmp_path / "configuration.yml"
+    path.write_text(GOOD)
+    assert load(path).timeouts == Timeouts()
+    path.write_text("timeouts: {drain_s: 20, kill_after_s: 25, ping_misses: 5}\n" + GOOD)
+    timeouts = load(path).timeouts
+    assert (timeouts.drain_s, timeouts.kill_after_s, timeouts.ping_misses) == (20.0, 25.0, 5)
+    assert timeouts.ping_period_s == Timeouts().ping_period_s
+
+
+def test_the_default_timeouts_are_consistent() -> None:
+    defaults = Timeouts()
+    assert defaults.inconsistency() is None
+    assert defaults.kill_after_s >= defaults.drain_s + 1
+
+
+def test_timeouts_built_in_code_are_checked_the_same_way() -> None:
+    with pytest.raises(ValueError, match=r"^timeouts\.kill_after_s has value 4\.0; it must be "
+                       r"at least timeouts\.drain_s \+ 1 \(6\), so a process is not killed "
+                       r"while it drains$"):
+        Timeouts(kill_after_s=4.0)
+    with pytest.raises(ValueError, match=r"^timeouts\.ping_misses has value 0; it must be an "
+                       r"integer >= 1$"):
+        Timeouts(ping_misses=0)

@@ -1,0 +1,109 @@
+"""Every timeout and grace period of the server's processes, in one frozen value.
+
+The supervisor, the API workers and the runner processes all read their timing from the
+`Timeouts` in their `Config` (the `timeouts:` key of `configuration.yml`), so the values a
+stop depends on cannot drift apart: a process is only killed after its drain had time to
+finish, and uvicorn's own graceful-shutdown wait is part of that drain, never added to it.
+
+What stays elsewhere, and why:
+
+- A runner's `batch_timeout_ms` (how long one model call may run) belongs to its model, so it
+  stays per runner in `runners.NAME`; the API's wait for a call is derived from it and from
+  the request's own deadline: `budget + batch_timeout + call_slack_s`.
+- Ticks that are part of an algorithm's tuning (the front shedder's 10 ms lag probe, the
+  dispatcher's gauge and refit periods) are not timeouts and stay beside the code they tune.
+
+A stop in time (SIGTERM to the supervisor at t = 0):
+
+    0                      API workers: readiness and new requests 503; requests held finish
+    ≤ drain_s              API workers exit (whatever is still waiting gets 503 "stopping")
+    ≤ kill_after_s         an API worker still alive is killed; the port is closed
+    then ≤ drain_s more    runners finish what they hold and exit
+    ≤ 2 × kill_after_s     the supervisor exits
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+EXIT_MARGIN_S = 1.0
+"""Time a process gets after its drain to close sockets and leave the interpreter."""
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Durations in seconds (`ping_misses` is a count); see the module docstring."""
+
+    drain_s: float = 5.0
+    """After a stop signal, how long a process lets the requests it holds finish: an API worker
+    the requests it accepted (uvicorn's graceful-shutdown timeout is what remains of this), a
+    runner its queued and running batches. What is left then is answered 503."""
+    kill_after_s: float = 8.0
+    """How long the supervisor waits for a signalled process to exit before killing it; at
+    least `drain_s + 1`, so a process is never killed while draining."""
+    runner_start_s: float = 300.0
+    """How long a runner may take to load and time its model before start-up fails."""
+    api_start_s: float = 60.0
+    """How long the API workers may take to answer their first readiness probe."""
+    ping_period_s: float = 1.0
+    """How often the supervisor pings each runner process."""
+    ping_timeout_s: float = 2.0
+    """How long a ping (and a start-up probe) may wait for its answer."""
+    ping_misses: int = 3
+    """Pings in a row a runner may miss before it is killed and replaced as hung."""
+    restart_first_s: float = 0.5
+    """Pause before restarting a child that died young; it doubles with each early death."""
+    restart_max_s: float = 30.0
+    """The longest pause before a restart."""
+    stable_s: float = 60.0
+    """A child that lived this long is restarted at once and its early deaths forgotten."""
+    call_slack_s: float = 2.0
+    """Beyond a call's deadline and its runner's batch timeout, how long an API worker waits
+    for a runner before answering 503: it only bounds a runner that hangs as a whole."""
+    reconnect_first_s: float = 0.05
+    """First pause before an API worker reconnects to a runner; doubles with each failure."""
+    reconnect_max_s: float = 1.0
+    """The longest pause between reconnection attempts."""
+    keep_alive_s: float = 5.0
+    """How long an API worker keeps an idle HTTP connection open (uvicorn's keep-alive)."""
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if item.name == "ping_misses":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(_wrong(item.name, value, "an integer >= 1"))
+            elif isinstance(value, bool) or not isinstance(value, int | float) or not (
+                math.isfinite(value) and value > 0
+            ):
+                raise ValueError(_wrong(item.name, value, "a positive number"))
+        problem = self.inconsistency()
+        if problem is not None:
+            raise ValueError(problem)
+
+    def inconsistency(self) -> str | None:
+        """Why these values cannot work together, or None when they can."""
+        if self.kill_after_s < self.drain_s + EXIT_MARGIN_S:
+            return _wrong(
+                "kill_after_s", self.kill_after_s,
+                f"at least timeouts.drain_s + {EXIT_MARGIN_S:g} "
+                f"({self.drain_s + EXIT_MARGIN_S:g}), so a process is not killed while it "
+                "drains",
+            )
+        for first, longest in (("restart_first_s", "restart_max_s"),
+                               ("reconnect_first_s", "reconnect_max_s")):
+            if getattr(self, first) > getattr(self, longest):
+                return _wrong(first, getattr(self, first),
+                              f"at most timeouts.{longest} ({getattr(self, longest):g})")
+        return None
+
+    def restart_pause(self, failures: int) -> float:
+        """Seconds to wait before a restart after `failures` early deaths in a row."""
+        if failures <= 0:
+            return 0.0
+        return float(min(self.restart_max_s, self.restart_first_s * 2 ** (failures - 1)))
+
+
+def _wrong(name: str, value: object, expected: str) -> str:
+    return f"timeouts.{name} has value {value!r}; it must be {expected}"
