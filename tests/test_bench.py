@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 import pytest
 
-from batchserve.api import bench, http1, loadgen
+from batchserve.api import bench, http1, load_result, traffic
 from batchserve.api.http1 import ProtocolError, ResponseParser
 from batchserve.api.loadgen import run_load
 
@@ -107,7 +107,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             proc.wait()
 
 
-def _load(url: str, rate: float = 100.0, seconds: float = 1.0, **kw: object) -> loadgen.LoadResult:
+def _load(
+    url: str, rate: float = 100.0, seconds: float = 1.0, **kw: object
+) -> load_result.LoadResult:
     return asyncio.run(run_load(url, b"{}", {}, rate, seconds, **kw))  # type: ignore[arg-type]
 
 
@@ -115,9 +117,9 @@ def _load(url: str, rate: float = 100.0, seconds: float = 1.0, **kw: object) -> 
 
 
 def test_schedule_is_deterministic_increasing_and_inside_the_window() -> None:
-    offsets = loadgen.schedule(200.0, 2.0, seed=7)
-    assert offsets == loadgen.schedule(200.0, 2.0, seed=7)
-    assert offsets != loadgen.schedule(200.0, 2.0, seed=8)
+    offsets = traffic.schedule(200.0, 2.0, seed=7)
+    assert offsets == traffic.schedule(200.0, 2.0, seed=7)
+    assert offsets != traffic.schedule(200.0, 2.0, seed=8)
     assert all(a < b for a, b in zip(offsets, offsets[1:], strict=False))
     assert 0 < offsets[0] and offsets[-1] < 2.0
 
@@ -125,7 +127,7 @@ def test_schedule_is_deterministic_increasing_and_inside_the_window() -> None:
 @pytest.mark.parametrize(("rate", "seconds"), [(0, 1), (10, 0), (-1, 1)])
 def test_schedule_rejects_non_positive_values(rate: float, seconds: float) -> None:
     with pytest.raises(ValueError, match="rate and seconds must be positive"):
-        loadgen.schedule(rate, seconds)
+        traffic.schedule(rate, seconds)
 
 
 def test_encode_request_sets_host_and_length_once() -> None:
@@ -157,16 +159,16 @@ def test_parser_notes_connection_close_and_refuses_chunked() -> None:
 
 def test_percentile_is_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
-    assert loadgen.percentile(values, 0.5) == 50.0
-    assert loadgen.percentile(values, 0.99) == 99.0
-    assert loadgen.percentile(values, 1.0) == 100.0
-    assert loadgen.percentile([], 0.5) is None
+    assert load_result.percentile(values, 0.5) == 50.0
+    assert load_result.percentile(values, 0.99) == 99.0
+    assert load_result.percentile(values, 1.0) == 100.0
+    assert load_result.percentile([], 0.5) is None
 
 
 def test_summary_splits_ok_and_refused_latencies_and_counts_good_answers() -> None:
     latencies = [0.010, 0.050, 0.150, 0.002, 0.004, 0.0]
-    statuses = [200, 200, 200, 503, 503, loadgen.TRANSPORT_ERROR]
-    result = loadgen.summarize(1.0, 6.0, latencies, statuses, [0.0] * 6, 6.0, (1, 0), 0.0,
+    statuses = [200, 200, 200, 503, 503, load_result.TRANSPORT_ERROR]
+    result = load_result.summarize(1.0, 6.0, latencies, statuses, [0.0] * 6, 6.0, (1, 0), 0.0,
                                slo_ms=100.0)
     assert (result.ok, result.good) == (3, 2)  # the 150 ms answer is OK but not good
     assert (result.ok_p50_ms, result.ok_p99_ms) == pytest.approx((50.0, 150.0))
@@ -203,7 +205,7 @@ def test_binary_infer_body_follows_the_binary_extension() -> None:
 
 def test_every_scheduled_request_is_sent_and_answered(server: str) -> None:
     result = _load(f"{server}/ok", seed=1)
-    assert result.sent == len(loadgen.schedule(100.0, 1.0, seed=1))
+    assert result.sent == len(traffic.schedule(100.0, 1.0, seed=1))
     assert result.answered == result.ok == result.sent
     assert result.errors == 0.0 and result.error_fraction == {}
     assert result.p50_ms is not None and result.max_ms is not None
@@ -232,7 +234,7 @@ def test_latency_runs_from_the_scheduled_time_when_queued_client_side(server: st
     the last answers must wait for every earlier one: a lower bound, not a timing guess.
     """
     result = _load(f"{server}/slow", seconds=0.5, max_connections=2, seed=3)
-    offsets = loadgen.schedule(100.0, 0.5, seed=3)
+    offsets = traffic.schedule(100.0, 0.5, seed=3)
     assert result.ok == result.sent == len(offsets)
     assert result.peak_connections <= 2 and result.peak_queued > 0
     service = 0.045  # the server sleeps 50 ms; its timer may fire up to ~1 ms early
