@@ -168,10 +168,18 @@ def _sweep(args: argparse.Namespace, base: str) -> Report:
             ))
             if bar is not None:
                 bar.close()
-            after = probe.read(base)
+            after = _read_after(base)
             steps.append(Step(args.pattern, load, probe.mean_batch_size(before, after, args.model)))
             before = after
     return Report(base, args.model, limit_ms, source, tuple(steps))
+
+
+def _read_after(base: str) -> Scrape | None:
+    """The metrics after a run; a server gone by then costs the batch size, not the run."""
+    try:
+        return probe.read(base)
+    except probe.Unreachable:
+        return None
 
 
 def _write(args: argparse.Namespace, report: Report) -> None:
