@@ -1,21 +1,36 @@
-"""`batchserve bench`: drive a v2 infer endpoint with open-loop load and print what it measured.
+"""`batchserve bench`: sweep a v2 infer endpoint with open-loop load and report what it measured.
 
-Why apart from `batchserve.api.loadgen`: the generator knows HTTP/1.1 and Poisson arrivals but
+Why apart from `batchserve.api.loadgen`: the generator knows HTTP/1.1 and arrival schedules but
 nothing of the Open Inference Protocol; this module builds the v2 request body it sends (JSON or
-binary tensors, the way `tritonclient.http` would) and is the command line around it.
+binary tensors, the way `tritonclient.http` would) and is the command line around it: one run
+per rate of the sweep, the server's own figures read around each (`batchserve.api.probe`), the
+report written as a table, JSON and a plot (`bench_report`, `bench_plot`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import orjson
 
-from batchserve.api.loadgen import LoadResult, loop_factory, run_load
+from batchserve.api import bench_plot, probe
+from batchserve.api.bench_report import Report, Step, markdown, warnings
+from batchserve.api.loadgen import loop_factory, run_load
+from batchserve.api.progress_bar import ProgressBar
+from batchserve.api.scrape import Scrape
+from batchserve.api.traffic import Pattern
+
+DEFAULT_LIMIT_MS = 100.0
+FAILED = 1
+"""Exit status when the target cannot be reached or no request at all succeeded."""
+USAGE = 2
 
 
 def infer_body(
@@ -50,74 +65,167 @@ def infer_body(
     return header + raw, headers
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every default, except for options whose help already says what None means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of rates"
+        ) from None
+    if not rates or not all(_positive(rate) for rate in rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: every rate must be a positive number")
+    return rates
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="batchserve bench",
-        description="Open-loop Poisson load against a v2 infer endpoint.",
+        description="Open-loop load against a v2 infer endpoint, at one rate or a sweep of "
+        "rates, reported as a table (stdout), JSON, markdown and a PNG plot.",
+        formatter_class=_Formatter,
     )
     p.add_argument("--url", default="http://127.0.0.1:3000", help="server base URL")
-    p.add_argument("--rate", type=float, default=100.0, help="target requests per second")
-    p.add_argument("--seconds", type=float, default=10.0, help="duration of the load")
+    p.add_argument("--model", default="mlp", help="model (runner) name")
+    p.add_argument("--rate", type=float, default=100.0, help="mean requests per second")
+    p.add_argument("--sweep", type=_rates, metavar="R1,R2,...",
+                   help="run each of these rates in turn (replaces --rate)")
+    p.add_argument("--seconds", type=float, default=10.0, help="duration of each rate's run")
+    p.add_argument("--pattern", choices=get_args(Pattern), default="poisson",
+                   help="arrivals: poisson (steady), burst (1 s periods: 0.25 s at 4x the rate, "
+                   "then silence), step (half the rate, then 1.5x from the midpoint)")
+    p.add_argument("--limit-ms", type=float,
+                   help="goodput counts 2xx answers within this many ms (default: the model's "
+                   f"max_latency_ms as the server's /metrics state it, else {DEFAULT_LIMIT_MS:g})")
     p.add_argument("--binary", action="store_true", help="use the v2 binary tensor extension")
     p.add_argument("--rows", type=int, default=1, help="rows per request (batch dimension)")
     p.add_argument("--features", type=int, default=256, help="features per row")
-    p.add_argument("--model", default="mlp", help="model (runner) name")
     p.add_argument("--input", default="x", help="input tensor name")
     p.add_argument("--output", default="y", help="output tensor name")
     p.add_argument("--connections", type=int, default=256, help="connection pool cap")
-    p.add_argument("--seed", type=int, default=0, help="seed of the arrival schedule")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    return p.parse_args(argv)
+    p.add_argument("--seed", type=int, default=0, help="seed of the first rate's arrivals")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="write the report as JSON to PATH ('-' or no PATH: stdout, no table)")
+    p.add_argument("--markdown", type=Path, metavar="PATH", help="write the table to PATH")
+    p.add_argument("--plot", type=Path, metavar="PATH",
+                   help="write a PNG of latency and goodput against offered rate "
+                   "(needs the 'plot' extra)")
+    return p
 
 
-def format_result(result: LoadResult) -> str:
-    """A few human-readable lines for the terminal."""
+def _check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments argparse cannot check alone, or None."""
+    if not all(map(_positive, (args.rate, args.seconds))) or args.rows < 1 or args.connections < 1:
+        return "--rate, --seconds, --rows, --connections must be positive"
+    if args.limit_ms is not None and not _positive(args.limit_ms):
+        return "--limit-ms must be positive"
+    if args.plot is not None:
+        try:
+            bench_plot.require()
+        except bench_plot.PlotUnavailable as exc:
+            return str(exc)
+    return None
 
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}"
 
-    errors = ", ".join(f"{k}: {v:.2%}" for k, v in result.error_fraction.items()) or "none"
-    return "\n".join(
-        [
-            f"target {result.target_rate:g} req/s for {result.seconds:g} s: sent {result.sent}, "
-            f"ok {result.ok}, achieved {result.achieved_rate:.1f} req/s",
-            f"latency ms  p50 {ms(result.p50_ms)}  p90 {ms(result.p90_ms)}  "
-            f"p99 {ms(result.p99_ms)}  max {ms(result.max_ms)}",
-            f"errors {result.errors:.2%} ({errors})",
-            f"client: timer lag p99 {ms(result.timer_lag_p99_ms)} ms, "
-            f"peak connections {result.peak_connections}, peak queued {result.peak_queued}, "
-            f"CPU {result.loadgen_cpu_ms_per_req:.3f} ms/req",
-        ]
+def _limit(args: argparse.Namespace, reading: Scrape | None) -> tuple[float, str]:
+    """The goodput limit and where it came from."""
+    if args.limit_ms is not None:
+        return args.limit_ms, "--limit-ms"
+    stated = probe.latency_limit_ms(reading, args.model)
+    if stated is not None:
+        return stated, f"max_latency_ms of {args.model!r} from /metrics"
+    return DEFAULT_LIMIT_MS, "default; the server's /metrics does not state the model's limit"
+
+
+def _sweep(args: argparse.Namespace, base: str) -> Report:
+    """One run per rate, the server's metrics read before and after each."""
+    body, headers = infer_body(
+        args.rows, args.features, binary=args.binary, input_name=args.input,
+        output_name=args.output, seed=args.seed,
     )
+    url = f"{base}/v2/models/{args.model}/infer"
+    before = probe.read(base)
+    limit_ms, source = _limit(args, before)
+    steps = []
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        for i, rate in enumerate(args.sweep or [args.rate]):
+            bar = ProgressBar(sys.stderr, f"{rate:g} req/s") if sys.stderr.isatty() else None
+            load = runner.run(run_load(
+                url, body, headers, rate, args.seconds, args.seed + i, args.connections,
+                slo_ms=limit_ms, pattern=args.pattern, progress=bar,
+            ))
+            if bar is not None:
+                bar.close()
+            after = _read_after(base)
+            steps.append(Step(args.pattern, load, probe.mean_batch_size(before, after, args.model)))
+            before = after
+    return Report(base, args.model, limit_ms, source, tuple(steps))
+
+
+def _read_after(base: str) -> Scrape | None:
+    """The metrics after a run; a server gone by then costs the batch size, not the run."""
+    try:
+        return probe.read(base)
+    except probe.Unreachable:
+        return None
+
+
+def _write(args: argparse.Namespace, report: Report) -> None:
+    table = markdown(report)
+    if args.json == "-":
+        print(report.as_json().decode())
+    else:
+        print(table, end="")
+        if args.json is not None:
+            Path(args.json).write_bytes(report.as_json())
+    if args.markdown is not None:
+        args.markdown.write_text(table)
+    if args.plot is not None:
+        bench_plot.plot(report, args.plot)
+
+
+def _complain(report: Report) -> int:
+    """Warnings and sample error bodies on stderr; the exit status."""
+    for line in warnings(report.steps):
+        print(line, file=sys.stderr)
+    samples = report.error_samples()
+    for status, text in samples.items():
+        print(f"sample answer with status {status}: {text.strip()}", file=sys.stderr)
+    if report.ok == 0:
+        print("batchserve bench: every request failed", file=sys.stderr)
+        return FAILED
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``batchserve bench``: drive a v2 infer endpoint and print what it measured."""
-    args = _parse_args(argv)
-    if args.rate <= 0 or args.seconds <= 0 or args.rows < 1 or args.connections < 1:
-        print(
-            "batchserve bench: --rate, --seconds, --rows, --connections must be positive",
-            file=sys.stderr,
-        )
-        return 2
-    body, headers = infer_body(
-        args.rows,
-        args.features,
-        binary=args.binary,
-        input_name=args.input,
-        output_name=args.output,
-        seed=args.seed,
-    )
-    url = f"{args.url.rstrip('/')}/v2/models/{args.model}/infer"
-    load = run_load(url, body, headers, args.rate, args.seconds, args.seed, args.connections)
+    """``batchserve bench``: sweep a v2 infer endpoint and report what it measured."""
+    args = _parser().parse_args(argv)
+    problem = _check(args)
+    if problem is not None:
+        print(f"batchserve bench: {problem}", file=sys.stderr)
+        return USAGE
     try:
-        with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            result = runner.run(load)
+        report = _sweep(args, args.url.rstrip("/"))
+    except probe.Unreachable as exc:
+        print(f"batchserve bench: {exc}", file=sys.stderr)
+        return FAILED
     except ValueError as exc:
         print(f"batchserve bench: {exc}", file=sys.stderr)
-        return 2
-    print(orjson.dumps(result.as_dict()).decode() if args.json else format_result(result))
-    return 0
+        return USAGE
+    _write(args, report)
+    return _complain(report)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""Open-loop Poisson load generator for the HTTP request path (issue 2, point 8).
+"""Open-loop load generator for the HTTP request path (issue 2, point 8).
 
 Why open loop: a closed-loop client sends its next request only after the last answer, so a
 stalled server also stalls the client and the stall never shows up in the latencies
-("coordinated omission"). Here every send time is drawn from a Poisson process before the run
-starts, and a request's latency runs from that *scheduled* time: any wait -- in the server, in
-the client-side queue when every connection is busy, or in this generator's own timer -- is
-charged to the request.
+("coordinated omission"). Here every send time is drawn before the run starts (a Poisson
+process, steady or shaped, see ``batchserve.api.traffic``), and a request's latency runs from
+that *scheduled* time: any wait -- in the server, in the client-side queue when every
+connection is busy, or in this generator's own timer -- is charged to the request.
 
 Why not httpx or aiohttp: at 1,600 req/s on a 2-core machine shared with the server, the
 client's CPU is taken from the server. Requests are pre-encoded bytes written to a pool of
@@ -17,147 +17,38 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import dataclasses
-import math
-import random
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import cast
 
 from batchserve.api.http1 import ProtocolError, ResponseParser, Target
+from batchserve.api.load_result import (
+    TIMEOUT,
+    TRANSPORT_ERROR,
+    LoadResult,
+    Sends,
+    status_name,
+    summarize,
+)
+from batchserve.api.traffic import Pattern, schedule
 
-TRANSPORT_ERROR = 0
-"""Status recorded when the connection failed (refused, reset, malformed response)."""
-TIMEOUT = -1
-"""Status recorded when no answer came before the drain timeout after the last send."""
-
-_STATUS_NAMES = {TRANSPORT_ERROR: "transport", TIMEOUT: "timeout"}
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure parts: schedule and statistics
-
-
-def schedule(rate: float, seconds: float, seed: int = 0) -> list[float]:
-    """Send offsets (seconds from start) of a Poisson process: exponential gaps at ``rate``."""
-    if not (rate > 0 and seconds > 0):
-        raise ValueError(f"rate and seconds must be positive, got rate={rate} seconds={seconds}")
-    rng = random.Random(seed)
-    offsets: list[float] = []
-    t = rng.expovariate(rate)
-    while t < seconds:
-        offsets.append(t)
-        t += rng.expovariate(rate)
-    return offsets
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (``q`` in [0, 1]) of already sorted values."""
-    if not sorted_values:
-        return None
-    rank = max(1, math.ceil(q * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
-# ---------------------------------------------------------------------------------------------
-# Result
+PROGRESS_PERIOD_S = 0.2
 
 
 @dataclass(frozen=True)
-class LoadResult:
-    """What one open-loop run measured. Latencies are from each request's scheduled time.
+class Progress:
+    """Where a run is: seconds since its first send and requests fired and answered so far."""
 
-    ``p*_ms`` cover every HTTP response whatever its status (what clients waited for);
-    transport errors and timeouts have no latency and are counted only in ``error_fraction``,
-    which maps a status (``"503"``, ``"transport"``, ``"timeout"``) to its share of ``sent``.
-    ``timer_lag_*`` is how late this generator's timer fired: the part of every latency that
-    is the client's own fault. ``loadgen_cpu_*`` is this process's CPU for the whole run.
-    ``ok_p*_ms`` cover the 2xx answers only, ``refused_p99_ms`` the 503s, and ``good`` counts
-    the 2xx answers within ``slo_ms``: what a live benchmark judges and calls goodput.
-    """
-
-    target_rate: float
+    elapsed_s: float
     seconds: float
-    sent: int
+    scheduled: int
+    fired: int
     answered: int
     ok: int
-    achieved_rate: float
-    p50_ms: float | None
-    p90_ms: float | None
-    p99_ms: float | None
-    max_ms: float | None
-    errors: float
-    error_fraction: dict[str, float]
-    timer_lag_p50_ms: float | None
-    timer_lag_p99_ms: float | None
-    peak_connections: int
-    peak_queued: int
-    loadgen_cpu_s: float
-    loadgen_cpu_ms_per_req: float
-    ok_p50_ms: float | None = None
-    ok_p99_ms: float | None = None
-    refused_p99_ms: float | None = None
-    slo_ms: float = 100.0
-    good: int = 0
-
-    def as_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
-
-
-def summarize(
-    rate: float,
-    seconds: float,
-    latencies: Sequence[float],
-    statuses: Sequence[int],
-    lags: Sequence[float],
-    elapsed: float,
-    peaks: tuple[int, int],
-    cpu_s: float,
-    *,
-    slo_ms: float = 100.0,
-) -> LoadResult:
-    """Turn per-request records (seconds, statuses) into a :class:`LoadResult`."""
-    sent = len(statuses)
-    pairs = list(zip(latencies, statuses, strict=True))
-    answered = sorted(lat * 1e3 for lat, st in pairs if st > 0)
-    ok_ms = sorted(lat * 1e3 for lat, st in pairs if 200 <= st < 300)
-    refused_ms = sorted(lat * 1e3 for lat, st in pairs if st == 503)
-    ok = sum(1 for st in statuses if 200 <= st < 300)
-    counts: dict[str, int] = {}
-    for st in statuses:
-        if not 200 <= st < 300:
-            key = _STATUS_NAMES.get(st, str(st))
-            counts[key] = counts.get(key, 0) + 1
-    fractions = {k: v / sent for k, v in sorted(counts.items())} if sent else {}
-    lag_ms = sorted(lag * 1e3 for lag in lags)
-    return LoadResult(
-        target_rate=rate,
-        seconds=seconds,
-        sent=sent,
-        answered=len(answered),
-        ok=ok,
-        achieved_rate=ok / max(elapsed, seconds),
-        p50_ms=percentile(answered, 0.50),
-        p90_ms=percentile(answered, 0.90),
-        p99_ms=percentile(answered, 0.99),
-        max_ms=answered[-1] if answered else None,
-        errors=(sent - ok) / sent if sent else 0.0,
-        error_fraction=fractions,
-        timer_lag_p50_ms=percentile(lag_ms, 0.50),
-        timer_lag_p99_ms=percentile(lag_ms, 0.99),
-        peak_connections=peaks[0],
-        peak_queued=peaks[1],
-        loadgen_cpu_s=cpu_s,
-        loadgen_cpu_ms_per_req=cpu_s * 1e3 / sent if sent else 0.0,
-        ok_p50_ms=percentile(ok_ms, 0.50),
-        ok_p99_ms=percentile(ok_ms, 0.99),
-        refused_p99_ms=percentile(refused_ms, 0.99),
-        slo_ms=slo_ms,
-        good=bisect.bisect_right(ok_ms, slo_ms),
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +60,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, run: _Run) -> None:
         self._run = run
-        self._parser = ResponseParser()
+        self._parser = ResponseParser(run.samples)
         self.transport: asyncio.Transport | None = None
         self.in_flight = -1  # index of the request awaiting its answer
 
@@ -179,11 +70,13 @@ class _Connection(asyncio.Protocol):
     def send(self, index: int) -> None:
         self.in_flight = index
         cast(asyncio.Transport, self.transport).write(self._run.target.request)
+        self._run.wrote()
 
     def data_received(self, data: bytes) -> None:
         try:
             statuses = self._parser.feed(data)
         except (ProtocolError, ValueError):
+            self._run.failure("the server's answer is not HTTP/1.1 this client can read")
             self._close()
             return
         for status in statuses:
@@ -234,6 +127,11 @@ class _Run:
         self.fired = 0
         self.all_fired = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.ok = 0
+        self.written = 0
+        self.last_write = 0.0
+        self.samples: dict[int, bytes] = {}  # status -> start of its first body
+        self.transport_error = ""  # the first connection failure, said in words
         if n == 0:
             self.all_done.set()
             self.all_fired.set()
@@ -256,10 +154,33 @@ class _Run:
         now = time.perf_counter()
         self.latencies[index] = now - self.start - self.offsets[index]
         self.statuses[index] = status
+        self.ok += 200 <= status < 300
         self.last_done = now
         self.remaining -= 1
         if self.remaining == 0:
             self.all_done.set()
+
+    def wrote(self) -> None:
+        self.written += 1
+        self.last_write = time.perf_counter()
+
+    def failure(self, message: str) -> None:
+        self.transport_error = self.transport_error or message
+
+    def error_samples(self, drain_timeout: float) -> dict[str, str]:
+        """The first body (or failure) of each status that is not a success, as text."""
+        samples = self.samples.items()
+        out = {status_name(st): body.decode("utf-8", "replace") for st, body in samples}
+        if self.transport_error:
+            out[status_name(TRANSPORT_ERROR)] = self.transport_error
+        if TIMEOUT in self.statuses:
+            out[status_name(TIMEOUT)] = f"no answer within {drain_timeout:g} s of the last send"
+        return out
+
+    def progress(self, seconds: float) -> Progress:
+        elapsed = time.perf_counter() - self.start if self.start else 0.0
+        answered = len(self.offsets) - self.remaining
+        return Progress(elapsed, seconds, len(self.offsets), self.fired, answered, self.ok)
 
     # -- pool
 
@@ -274,6 +195,7 @@ class _Run:
         if conn in self.idle:
             self.idle.remove(conn)
         if conn.in_flight >= 0:
+            self.failure("the server closed the connection before answering")
             index, conn.in_flight = conn.in_flight, -1
             self.complete(index, TRANSPORT_ERROR)
         if self.queued and not self.closing and not self.connecting:
@@ -291,7 +213,8 @@ class _Run:
             _, conn = await loop.create_connection(
                 lambda: _Connection(self), self.target.host, self.target.port
             )
-        except OSError:
+        except OSError as exc:
+            self.failure(f"cannot connect to {self.target.host}:{self.target.port}: {exc}")
             # The request whose arrival asked for this connection cannot be sent: count it.
             self.connecting -= 1
             if self.queued and not self.closing:
@@ -397,33 +320,62 @@ async def run_load(
     warm_connections: int = 8,
     drain_timeout: float = 10.0,
     slo_ms: float = 100.0,
+    pattern: Pattern = "poisson",
+    progress: Callable[[Progress], None] | None = None,
 ) -> LoadResult:
-    """Send ``body`` to ``url`` at Poisson arrivals of ``rate`` per second for ``seconds``.
+    """Send ``body`` to ``url`` at arrivals of ``pattern`` (mean ``rate``/s) for ``seconds``.
 
     Requests go out at their scheduled times over up to ``max_connections`` keep-alive
     connections; when all are busy a request waits client-side, its latency still counted
     from its scheduled time. After the last send, answers get ``drain_timeout`` seconds.
+    ``progress``, when given, is called a few times a second until the run is over.
     """
     if max_connections < 1:
         raise ValueError(f"max_connections must be at least 1, got {max_connections}")
     target = Target.from_url(url, body, headers, method)
-    run = _Run(target, schedule(rate, seconds, seed), max_connections)
+    run = _Run(target, schedule(rate, seconds, seed, pattern), max_connections)
     cpu0 = time.process_time()
     try:
         await run.warm(warm_connections)
-        await _fire_all(run)
-        try:
-            await asyncio.wait_for(run.all_done.wait(), drain_timeout)
-        except TimeoutError:
-            pass  # unanswered requests keep their TIMEOUT status
+        async with _watched(run, seconds, progress):
+            await _fire_all(run)
+            try:
+                await asyncio.wait_for(run.all_done.wait(), drain_timeout)
+            except TimeoutError:
+                pass  # unanswered requests keep their TIMEOUT status
     finally:
         await run.close()
     cpu = time.process_time() - cpu0
     elapsed = run.last_done - run.start if run.last_done else seconds
     peaks = (run.peak_connections, run.peak_queued)
+    sends = Sends(len(run.offsets), run.written, max(0.0, run.last_write - run.start))
     return summarize(
-        rate, seconds, run.latencies, run.statuses, run.lags, elapsed, peaks, cpu, slo_ms=slo_ms
+        rate, seconds, run.latencies, run.statuses, run.lags, elapsed, peaks, cpu,
+        slo_ms=slo_ms, sends=sends, samples=run.error_samples(drain_timeout),
     )
+
+
+@contextlib.asynccontextmanager
+async def _watched(
+    run: _Run, seconds: float, progress: Callable[[Progress], None] | None
+) -> AsyncIterator[None]:
+    """Call ``progress`` every :data:`PROGRESS_PERIOD_S` while the body runs, and once after."""
+    if progress is None:
+        yield
+        return
+
+    async def report() -> None:
+        while True:
+            progress(run.progress(seconds))
+            await asyncio.sleep(PROGRESS_PERIOD_S)
+
+    task = asyncio.create_task(report())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        progress(run.progress(seconds))
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

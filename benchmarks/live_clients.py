@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Protocol
 
 from batchserve.api.bench import infer_body
-from batchserve.api.loadgen import LoadResult, run_load
+from batchserve.api.load_result import LoadResult
+from batchserve.api.loadgen import run_load
 
 SLO_MS = 100.0
 MAX_NON_OK = 0.01

@@ -28,10 +28,10 @@ from pathlib import Path
 import orjson
 
 from batchserve.api.loadgen import loop_factory
+from batchserve.api.scrape import Scrape, bucket_delta, delta, fetch, histogram_quantile
 from benchmarks.live_clients import Client, OwnClient, RunResult, SharedClient
 from benchmarks.live_report import Row, Window, markdown, overload_markdown, summary
 from benchmarks.load import cpu_between, serve, tree_cpu
-from benchmarks.scrape import Scrape, bucket_delta, delta, fetch, histogram_quantile
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "mlp"

@@ -34,7 +34,8 @@ from pathlib import Path
 import orjson
 
 from batchserve.api.bench import infer_body
-from batchserve.api.loadgen import LoadResult, loop_factory, run_load
+from batchserve.api.load_result import LoadResult
+from batchserve.api.loadgen import loop_factory, run_load
 
 ROOT = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")

@@ -11,15 +11,19 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
 import orjson
 import pytest
 
-from batchserve.api import bench, http1, loadgen
+from batchserve.api import bench, bench_plot, bench_report, http1, load_result, probe, traffic
 from batchserve.api.http1 import ProtocolError, ResponseParser
-from batchserve.api.loadgen import run_load
+from batchserve.api.loadgen import Progress, run_load
+from batchserve.api.progress_bar import render
+from batchserve.api.scrape import Scrape
+from tests.conftest import Server
 
 APP = textwrap.dedent(
     """
@@ -107,7 +111,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             proc.wait()
 
 
-def _load(url: str, rate: float = 100.0, seconds: float = 1.0, **kw: object) -> loadgen.LoadResult:
+def _load(
+    url: str, rate: float = 100.0, seconds: float = 1.0, **kw: object
+) -> load_result.LoadResult:
     return asyncio.run(run_load(url, b"{}", {}, rate, seconds, **kw))  # type: ignore[arg-type]
 
 
@@ -115,9 +121,9 @@ def _load(url: str, rate: float = 100.0, seconds: float = 1.0, **kw: object) -> 
 
 
 def test_schedule_is_deterministic_increasing_and_inside_the_window() -> None:
-    offsets = loadgen.schedule(200.0, 2.0, seed=7)
-    assert offsets == loadgen.schedule(200.0, 2.0, seed=7)
-    assert offsets != loadgen.schedule(200.0, 2.0, seed=8)
+    offsets = traffic.schedule(200.0, 2.0, seed=7)
+    assert offsets == traffic.schedule(200.0, 2.0, seed=7)
+    assert offsets != traffic.schedule(200.0, 2.0, seed=8)
     assert all(a < b for a, b in zip(offsets, offsets[1:], strict=False))
     assert 0 < offsets[0] and offsets[-1] < 2.0
 
@@ -125,7 +131,7 @@ def test_schedule_is_deterministic_increasing_and_inside_the_window() -> None:
 @pytest.mark.parametrize(("rate", "seconds"), [(0, 1), (10, 0), (-1, 1)])
 def test_schedule_rejects_non_positive_values(rate: float, seconds: float) -> None:
     with pytest.raises(ValueError, match="rate and seconds must be positive"):
-        loadgen.schedule(rate, seconds)
+        traffic.schedule(rate, seconds)
 
 
 def test_encode_request_sets_host_and_length_once() -> None:
@@ -157,16 +163,16 @@ def test_parser_notes_connection_close_and_refuses_chunked() -> None:
 
 def test_percentile_is_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
-    assert loadgen.percentile(values, 0.5) == 50.0
-    assert loadgen.percentile(values, 0.99) == 99.0
-    assert loadgen.percentile(values, 1.0) == 100.0
-    assert loadgen.percentile([], 0.5) is None
+    assert load_result.percentile(values, 0.5) == 50.0
+    assert load_result.percentile(values, 0.99) == 99.0
+    assert load_result.percentile(values, 1.0) == 100.0
+    assert load_result.percentile([], 0.5) is None
 
 
 def test_summary_splits_ok_and_refused_latencies_and_counts_good_answers() -> None:
     latencies = [0.010, 0.050, 0.150, 0.002, 0.004, 0.0]
-    statuses = [200, 200, 200, 503, 503, loadgen.TRANSPORT_ERROR]
-    result = loadgen.summarize(1.0, 6.0, latencies, statuses, [0.0] * 6, 6.0, (1, 0), 0.0,
+    statuses = [200, 200, 200, 503, 503, load_result.TRANSPORT_ERROR]
+    result = load_result.summarize(1.0, 6.0, latencies, statuses, [0.0] * 6, 6.0, (1, 0), 0.0,
                                slo_ms=100.0)
     assert (result.ok, result.good) == (3, 2)  # the 150 ms answer is OK but not good
     assert (result.ok_p50_ms, result.ok_p99_ms) == pytest.approx((50.0, 150.0))
@@ -203,7 +209,7 @@ def test_binary_infer_body_follows_the_binary_extension() -> None:
 
 def test_every_scheduled_request_is_sent_and_answered(server: str) -> None:
     result = _load(f"{server}/ok", seed=1)
-    assert result.sent == len(loadgen.schedule(100.0, 1.0, seed=1))
+    assert result.sent == len(traffic.schedule(100.0, 1.0, seed=1))
     assert result.answered == result.ok == result.sent
     assert result.errors == 0.0 and result.error_fraction == {}
     assert result.p50_ms is not None and result.max_ms is not None
@@ -232,7 +238,7 @@ def test_latency_runs_from_the_scheduled_time_when_queued_client_side(server: st
     the last answers must wait for every earlier one: a lower bound, not a timing guess.
     """
     result = _load(f"{server}/slow", seconds=0.5, max_connections=2, seed=3)
-    offsets = loadgen.schedule(100.0, 0.5, seed=3)
+    offsets = traffic.schedule(100.0, 0.5, seed=3)
     assert result.ok == result.sent == len(offsets)
     assert result.peak_connections <= 2 and result.peak_queued > 0
     service = 0.045  # the server sleeps 50 ms; its timer may fire up to ~1 ms early
@@ -256,11 +262,15 @@ def test_refused_connections_are_transport_errors() -> None:
 
 
 def test_cli_prints_json(server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A target without /metrics is still benchmarked; the limit falls back to its default."""
     argv = ["--url", server, "--rate", "50", "--seconds", "0.3", "--binary", "--json"]
     assert bench.main(argv) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["sent"] == result["ok"] > 0
-    assert set(result) >= {"p50_ms", "p99_ms", "error_fraction", "loadgen_cpu_ms_per_req"}
+    report = json.loads(capsys.readouterr().out)
+    assert (report["limit_ms"], report["limit_source"].split(";")[0]) == (100.0, "default")
+    (step,) = report["steps"]
+    assert step["sent"] == step["ok"] == step["status_counts"]["200"] > 0
+    assert step["mean_batch_size"] is None
+    assert set(step) >= {"p50_ms", "p99_ms", "error_fraction", "loadgen_cpu_ms_per_req"}
 
 
 def test_cli_rejects_a_non_positive_rate(capsys: pytest.CaptureFixture[str]) -> None:
@@ -271,3 +281,222 @@ def test_cli_rejects_a_non_positive_rate(capsys: pytest.CaptureFixture[str]) -> 
 def test_result_as_dict_is_json_ready(server: str) -> None:
     result = _load(f"{server}/ok", rate=20.0, seconds=0.2)
     assert json.loads(json.dumps(result.as_dict()))["sent"] == result.sent
+
+
+# -- traffic patterns (pure: seeded schedules, no clock)
+
+
+def _expected(segments: list[traffic.Segment]) -> float:
+    return sum(seg.rate * (seg.end - seg.start) for seg in segments)
+
+
+@pytest.mark.parametrize("pattern", ["poisson", "burst", "step"])
+def test_every_pattern_offers_the_mean_rate(pattern: traffic.Pattern) -> None:
+    assert _expected(traffic.profile(pattern, 40.0, 6.0)) == pytest.approx(240.0)
+
+
+def test_burst_sends_at_four_times_the_rate_for_a_quarter_of_each_period() -> None:
+    segments = traffic.profile("burst", 400.0, 3.0)
+    assert segments == [
+        traffic.Segment(0.0, 0.25, 1600.0), traffic.Segment(0.25, 1.0, 0.0),
+        traffic.Segment(1.0, 1.25, 1600.0), traffic.Segment(1.25, 2.0, 0.0),
+        traffic.Segment(2.0, 2.25, 1600.0), traffic.Segment(2.25, 3.0, 0.0),
+    ]
+    offsets = traffic.schedule(400.0, 10.0, seed=11, pattern="burst")
+    per_period = [0] * 10
+    for t in offsets:
+        assert t % 1.0 < 0.25, f"an arrival at {t} s falls in an off period"
+        per_period[int(t)] += 1
+    for count in per_period:  # Poisson with mean 400: within 4 standard deviations (4 x 20)
+        assert 320 <= count <= 480, per_period
+
+
+def test_step_runs_half_the_rate_then_one_and_a_half_times_it() -> None:
+    assert traffic.profile("step", 200.0, 10.0) == [
+        traffic.Segment(0.0, 5.0, 100.0), traffic.Segment(5.0, 10.0, 300.0),
+    ]
+    offsets = traffic.schedule(200.0, 10.0, seed=5, pattern="step")
+    first = sum(1 for t in offsets if t < 5.0)
+    second = len(offsets) - first
+    assert 500 - 4 * 22 <= first <= 500 + 4 * 22  # mean 500, sd ~22
+    assert 1500 - 4 * 39 <= second <= 1500 + 4 * 39  # mean 1500, sd ~39
+    assert offsets == sorted(offsets) and offsets[-1] < 10.0
+
+
+def test_poisson_pattern_is_the_default_schedule() -> None:
+    assert traffic.schedule(50.0, 2.0, seed=3, pattern="poisson") == traffic.schedule(50.0, 2.0, 3)
+
+
+def test_an_unknown_pattern_is_named() -> None:
+    with pytest.raises(ValueError, match="pattern 'saw' is not one of poisson, burst, step"):
+        traffic.profile("saw", 1.0, 1.0)  # type: ignore[arg-type]
+
+
+# -- pieces of the report (pure)
+
+
+def test_parser_keeps_the_first_body_of_each_failed_status() -> None:
+    samples: dict[int, bytes] = {}
+    parser = ResponseParser(samples)
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi"
+    bad = b'HTTP/1.1 400 Bad Request\r\nContent-Length: 13\r\n\r\n{"error":"a"}'
+    worse = b'HTTP/1.1 400 Bad Request\r\nContent-Length: 13\r\n\r\n{"error":"b"}'
+    assert parser.feed(ok + bad + worse + ok) == [200, 400, 400, 200]
+    assert samples == {400: b'{"error":"a"}'}
+
+
+BATCHES = """\
+# TYPE batchserve_adaptive_batch_size histogram
+batchserve_adaptive_batch_size_sum{{method="__call__",runner="mlp"}} {rows}
+batchserve_adaptive_batch_size_count{{method="__call__",runner="mlp"}} {batches}
+batchserve_adaptive_batch_size_sum{{method="__call__",runner="other"}} 1000.0
+batchserve_adaptive_batch_size_count{{method="__call__",runner="other"}} 1.0
+# TYPE batchserve_runner_latency_limit_seconds gauge
+batchserve_runner_latency_limit_seconds{{pid="1",runner="mlp"}} 0.25
+batchserve_runner_latency_limit_seconds{{pid="2",runner="mlp"}} 0.25
+"""
+
+
+def test_mean_batch_size_is_rows_over_batches_between_two_readings() -> None:
+    before = Scrape.parse(BATCHES.format(rows=100.0, batches=50.0))
+    after = Scrape.parse(BATCHES.format(rows=400.0, batches=100.0))
+    assert probe.mean_batch_size(before, after, "mlp") == pytest.approx(6.0)
+    assert probe.mean_batch_size(before, before, "mlp") is None  # no batches in between
+    assert probe.mean_batch_size(None, after, "mlp") is None
+
+
+def test_latency_limit_is_read_once_however_many_runner_processes_state_it() -> None:
+    scrape = Scrape.parse(BATCHES.format(rows=0.0, batches=0.0))
+    assert probe.latency_limit_ms(scrape, "mlp") == pytest.approx(250.0)
+    assert probe.latency_limit_ms(scrape, "absent") is None
+
+
+def test_progress_bar_renders_its_share_of_the_run() -> None:
+    line = render("40 req/s", Progress(2.5, 10.0, 400, 100, 98, 97))
+    assert line == ("40 req/s [########......................]  2.5/10 s  sent 100/400  "
+                    "answered 98  ok 97")
+
+
+def _report(tmp_path: Path) -> bench_report.Report:
+    def step(rate: float, p50: float) -> bench_report.Step:
+        load = load_result.summarize(
+            rate, 1.0, [p50 / 1e3] * int(rate), [200] * int(rate), [0.0] * int(rate), 1.0,
+            (1, 0), 0.0, slo_ms=100.0,
+        )
+        return bench_report.Step("poisson", load, 2.0)
+
+    return bench_report.Report("http://h", "mlp", 100.0, "--limit-ms", (step(20, 5), step(40, 7)))
+
+
+def test_markdown_has_a_row_per_rate(tmp_path: Path) -> None:
+    table = bench_report.markdown(_report(tmp_path))
+    lines = table.splitlines()
+    assert lines[0] == "http://h model mlp: goodput counts 2xx answers within 100 ms (--limit-ms)."
+    assert lines[2].startswith("| pattern | offered req/s | sent req/s | ok req/s | 2xx | 503 |")
+    assert lines[4] == ("| poisson | 20.0 | 20.0 | 20.0 | 20 | 0 | 0 | 5.0 | 5.0 | 5.0 | - | - "
+                        "| 20.0 | 2.0 |")
+    assert len(lines) == 6
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "sweep.png"
+    bench_plot.plot(_report(tmp_path), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    assert bench.main(["--plot", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == "batchserve bench: --plot needs matplotlib: pip install 'batchserve[plot]'\n"
+    assert not (tmp_path / "p.png").exists()
+
+
+# -- the command line
+
+
+def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for default in ("server base URL (default: http://127.0.0.1:3000)",
+                    "(default: mlp)", "mean requests per second (default: 100.0)",
+                    "duration of each rate's run (default: 10.0)", "(default: poisson)",
+                    "connection pool cap (default: 256)", "else 100)"):
+        assert default in text
+
+
+def test_cli_rejects_a_bad_sweep(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--sweep", "20,-1"])
+    assert "'20,-1': every rate must be a positive number" in capsys.readouterr().err
+
+
+def test_an_unreachable_target_fails_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as sock:  # bound, never listening: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        assert bench.main(["--url", url, "--rate", "20", "--seconds", "0.5"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"batchserve bench: cannot reach {url}: ")
+    assert "Connection refused" in captured.err
+
+
+# -- against the real server
+
+
+def test_a_sweep_reports_rates_statuses_goodput_and_batches(
+    bundled: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = {name: tmp_path / f"sweep.{name}" for name in ("json", "md", "png")}
+    argv = ["--url", bundled.url, "--model", "iris_clf", "--input", "input", "--features", "4",
+            "--output", "scores", "--sweep", "20,40", "--seconds", "1.5", "--binary",
+            "--json", str(paths["json"]), "--markdown", str(paths["md"]),
+            "--plot", str(paths["png"])]
+    assert bench.main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""  # no failures, no warning, no progress bar off a terminal
+    report = json.loads(paths["json"].read_text())
+    assert report["limit_ms"] == 500.0  # iris_clf's max_latency_ms, as /metrics states it
+    assert report["limit_source"] == "max_latency_ms of 'iris_clf' from /metrics"
+    assert [step["target_rate"] for step in report["steps"]] == [20.0, 40.0]
+    for i, step in enumerate(report["steps"]):
+        scheduled = len(traffic.schedule(step["target_rate"], 1.5, seed=i))
+        assert step["offered_rate"] == pytest.approx(scheduled / 1.5)
+        assert 0 < step["send_rate"] <= step["offered_rate"]
+        assert step["status_counts"] == {"200": scheduled} and step["ok"] == scheduled
+        assert 0 < step["good"] <= scheduled
+        assert 0 < step["goodput"] <= step["good"] / 1.5
+        assert step["mean_batch_size"] >= 1.0
+        assert step["ok_p50_ms"] <= step["ok_p90_ms"] <= step["ok_p99_ms"]
+    table = paths["md"].read_text()
+    assert captured.out == table
+    rows = [line for line in table.splitlines() if line.startswith("| poisson |")]
+    assert len(rows) == 2
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_request_failing_exits_non_zero_with_a_sample_body(
+    bundled: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--url", bundled.url, "--model", "iris_clf", "--input", "nope", "--features", "4",
+            "--output", "scores", "--rate", "20", "--seconds", "0.5"]
+    assert bench.main(argv) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "batchserve bench: every request failed"
+    (sample,) = [line for line in err if line.startswith("sample answer with status 400: ")]
+    assert "nope" in sample
+
+
+def test_a_model_that_does_not_exist_fails_with_its_404(
+    bundled: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--url", bundled.url, "--model", "absent", "--rate", "20", "--seconds", "0.3"]
+    assert bench.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "sample answer with status 404: " in err and "absent" in err

@@ -1,4 +1,4 @@
-"""Readings of /metrics, their differences and PromQL-style quantiles (benchmarks/scrape.py)."""
+"""Readings of /metrics, their differences and PromQL-style quantiles (batchserve.api.scrape)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.scrape import Scrape, bucket_delta, delta, histogram_quantile
+from batchserve.api.scrape import Scrape, bucket_delta, delta, histogram_quantile
 
 TEXT = """\
 # HELP batchserve_batch_time_ratio ratio

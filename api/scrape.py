@@ -4,7 +4,8 @@ A :class:`Scrape` is one reading: every sample of every family, keyed by sample 
 labels. Counters and histogram buckets only grow while a server lives, so the difference of
 two readings is what one run did. :func:`histogram_quantile` interpolates inside a bucket
 the way PromQL's ``histogram_quantile`` does, so a figure here matches a Grafana panel over
-the same window.
+the same window. It lives in the installed package because `batchserve bench` reads the
+server's mean batch size and latency limit from it, as the benchmarks do.
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ class Scrape:
         wanted = set(labels.items())
         return sum(v for (n, ls), v in self.samples.items() if n == name and wanted <= ls)
 
+    def maximum(self, name: str, **labels: str) -> float | None:
+        """The largest sample named ``name`` whose labels include ``labels``; None if absent.
+
+        For a gauge every live process repeats (one series per pid), where a sum would count
+        the same value once per process.
+        """
+        wanted = set(labels.items())
+        found = [v for (n, ls), v in self.samples.items() if n == name and wanted <= ls]
+        return max(found) if found else None
+
     def by_label(self, name: str, key: str, **labels: str) -> dict[str, float]:
         """The samples named ``name`` matching ``labels``, summed per value of label ``key``."""
         wanted = set(labels.items())
@@ -55,6 +66,7 @@ class Scrape:
 
 
 def fetch(base_url: str, timeout: float = 5.0) -> Scrape:
+    """One reading of ``base_url``'s ``/metrics``; urllib's errors pass through."""
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout) as response:
         return Scrape.parse(response.read().decode())
 
