@@ -100,6 +100,12 @@ class _Signature:
             "platform": "batchserve",
             "inputs": [describe(spec) for spec in runner.inputs],
             "outputs": [describe(spec) for spec in runner.outputs],
+            # v2 leaves model parameters open; a client needs these to split a large batch.
+            "parameters": {
+                "max_batch_size": runner.batching.max_batch_size,
+                "input_batch_dim": runner.batch_dim[0],
+                "output_batch_dim": runner.batch_dim[1],
+            },
         }
         return cls(
             inputs={spec.name: spec for spec in runner.inputs},
@@ -399,5 +405,6 @@ def server_metadata() -> bytes:
 
 
 def model_metadata(runner: RunnerConfig) -> bytes:
-    """`GET /v2/models/{name}`: versions, platform and the signature's inputs and outputs."""
+    """`GET /v2/models/{name}`: versions, platform, the signature's inputs and outputs, and
+    `parameters` with the batch limit and the batch dimensions a client splits along."""
     return _signature(runner).metadata

@@ -6,6 +6,7 @@ wire format without a server.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any
@@ -26,7 +27,7 @@ from batchserve.api.protocol import (
     parse_header_length,
     server_metadata,
 )
-from batchserve.runner.config import RunnerConfig, TensorSpec
+from batchserve.runner.config import Batching, RunnerConfig, TensorSpec
 from batchserve.runner.types import DATATYPES
 
 MLP = RunnerConfig(
@@ -677,6 +678,14 @@ def test_model_metadata() -> None:
             {"name": "y", "datatype": "FP32", "shape": [-1, 3]},
             {"name": "z", "datatype": "INT64", "shape": [-1]},
         ],
+        "parameters": {"max_batch_size": 64, "input_batch_dim": 0, "output_batch_dim": 0},
+    }
+
+
+def test_model_metadata_names_the_batch_limit_and_batch_dimensions() -> None:
+    runner = dataclasses.replace(one("FP32", 1), batching=Batching(max_batch_size=7))
+    assert orjson.loads(model_metadata(runner))["parameters"] == {
+        "max_batch_size": 7, "input_batch_dim": 1, "output_batch_dim": 1,
     }
 
 

@@ -1,0 +1,388 @@
+"""What the Python client sends and reads, apart from any socket: the shared core of
+`batchserve.api.client`'s sync, asyncio and futures front ends.
+
+It reads a model's metadata, checks the caller's inputs against it, cuts a batch into chunks
+of at most the server's `max_batch_size` and joins the answers in order, encodes a v2 request
+(binary tensor data by default, JSON on request), decodes a v2 answer of either kind, and
+decides whether an error answer is worth a retry within the caller's deadline.
+
+The inputs it accepts are numpy arrays only (`np.ndarray`): anything else, a list, a torch
+tensor or a scalar, is refused with a `ValueError` that says to convert it with `np.asarray`,
+so nothing is copied or reinterpreted behind the caller's back. An array whose dtype differs
+from the input's datatype is cast when numpy calls that cast `same_kind` (float64 to FP32,
+int64 to FP32), and refused otherwise (floats for an integer input).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC
+from typing import Any, Final
+
+import numpy as np
+import orjson
+
+from batchserve.runner.types import DATATYPES, Tensors
+
+__all__ = [
+    "HEADER_LENGTH",
+    "ChunkingStrategy",
+    "DeadlineExceeded",
+    "ModelMetadata",
+    "ServerError",
+    "ServerUnavailable",
+    "TensorInfo",
+    "batch_rows",
+    "check_answer",
+    "check_inputs",
+    "decode_response",
+    "encode_request",
+    "join_chunks",
+    "Plan",
+    "plan_call",
+    "split_along",
+    "split_first_dim",
+]
+
+HEADER_LENGTH: Final = "Inference-Header-Content-Length"
+
+ChunkingStrategy = Callable[[Mapping[str, np.ndarray], int], Iterable[Mapping[str, np.ndarray]]]
+"""Takes the named inputs and the server's max batch size; yields chunks of named inputs whose
+answers, joined in the order yielded, make the whole batch's answer."""
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+class ServerError(Exception):
+    """The server answered with an error status; `message` is the server's own words."""
+
+    def __init__(self, status: int, message: str, note: str = "") -> None:
+        super().__init__(f"the server answered {status}: {message}{note}")
+        self.status = status
+        self.message = message
+
+
+class ServerUnavailable(ServerError):
+    """A 503 that was not retried: no `Retry-After`, or waiting would pass the deadline."""
+
+    def __init__(self, message: str, retry_after_s: float | None, note: str) -> None:
+        super().__init__(503, message, note)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(TimeoutError):
+    """The call's deadline (`timeout_s`) passed before the server answered."""
+
+
+# --- model metadata -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelMetadata:
+    """What `GET /v2/models/{name}` says; `max_batch_size` is None when the server is silent."""
+
+    name: str
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    max_batch_size: int | None = None
+    input_batch_dim: int = 0
+    output_batch_dim: int = 0
+
+    @classmethod
+    def parse(cls, document: Any) -> ModelMetadata:
+        try:
+            params = document.get("parameters") or {}
+            return cls(
+                name=str(document["name"]),
+                inputs=tuple(_tensor_info(item) for item in document["inputs"]),
+                outputs=tuple(_tensor_info(item) for item in document.get("outputs", ())),
+                max_batch_size=_optional_int(params.get("max_batch_size")),
+                input_batch_dim=int(params.get("input_batch_dim", 0)),
+                output_batch_dim=int(params.get("output_batch_dim", 0)),
+            )
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ServerError(200, f"the model metadata is not v2 metadata ({exc!r})") from None
+
+
+def _tensor_info(item: Any) -> TensorInfo:
+    return TensorInfo(str(item["name"]), str(item["datatype"]), tuple(map(int, item["shape"])))
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None or int(value) < 1 else int(value)
+
+
+# --- checking the caller's inputs ---------------------------------------------------------------
+
+
+def check_inputs(
+    metadata: ModelMetadata, positional: Sequence[Any], named: Mapping[str, Any]
+) -> Tensors:
+    """Name positional inputs in the model's input order and check every one; see the module
+    docstring for what is accepted."""
+    order = [spec.name for spec in metadata.inputs]
+    if len(positional) > len(order):
+        raise ValueError(
+            f"{len(positional)} inputs given by position; model {metadata.name!r} has "
+            f"{len(order)}: {', '.join(order)}"
+        )
+    given = dict(zip(order, positional, strict=False))
+    for name, value in named.items():
+        if name in given:
+            raise ValueError(f"input {name!r} is given both by position and by name")
+        given[name] = value
+    specs = {spec.name: spec for spec in metadata.inputs}
+    for name in given:
+        if name not in specs:
+            raise ValueError(
+                f"input {name!r} is not an input of model {metadata.name!r}; expected one of: "
+                + ", ".join(order)
+            )
+    missing = [name for name in order if name not in given]
+    if missing:
+        raise ValueError(f"input {missing[0]!r} of model {metadata.name!r} is missing")
+    return {name: _array(specs[name], given[name]) for name in order}
+
+
+def _array(spec: TensorInfo, value: Any) -> np.ndarray:
+    if not isinstance(value, np.ndarray):
+        raise ValueError(
+            f"input {spec.name!r} is a {type(value).__name__}; expected a numpy array "
+            "(np.asarray converts lists and most tensors)"
+        )
+    dtype = DATATYPES.get(spec.datatype)
+    if dtype is None:
+        raise ValueError(f"input {spec.name!r} has datatype {spec.datatype}, which this client "
+                         "does not send")
+    if value.dtype == dtype:
+        return value
+    if not np.can_cast(value.dtype, dtype, "same_kind"):
+        raise ValueError(
+            f"input {spec.name!r} is an array of {value.dtype}; expected {spec.datatype} "
+            f"({dtype}) or a type that casts to it without changing kind"
+        )
+    return value.astype(dtype)
+
+
+def batch_rows(inputs: Mapping[str, np.ndarray], axis: int = 0) -> int:
+    """The batch size the inputs agree on along `axis`; a `ValueError` when they do not."""
+    first, rows = "", -1
+    for name, array in inputs.items():
+        if array.ndim <= axis:
+            raise ValueError(
+                f"input {name!r} has {array.ndim} dimensions; expected a batch dimension {axis}"
+            )
+        count = array.shape[axis]
+        if count == 0:
+            raise ValueError(f"input {name!r} has 0 rows (dimension {axis}); expected at least 1")
+        if rows == -1:
+            first, rows = name, count
+        elif count != rows:
+            raise ValueError(
+                f"input {name!r} has {count} rows (dimension {axis}) but input {first!r} has "
+                f"{rows}; expected the same batch size for all inputs"
+            )
+    return rows
+
+
+# --- chunking -----------------------------------------------------------------------------------
+
+
+def split_along(axis: int) -> ChunkingStrategy:
+    """A strategy that cuts every input into consecutive slices of at most the max batch size
+    along `axis`."""
+
+    def split(inputs: Mapping[str, np.ndarray], max_batch_size: int) -> Iterator[Tensors]:
+        rows = batch_rows(inputs, axis)
+        lead = (slice(None),) * axis
+        for start in range(0, rows, max_batch_size):
+            index = (*lead, slice(start, start + max_batch_size))
+            yield {name: array[index] for name, array in inputs.items()}
+
+    return split
+
+
+split_first_dim: Final = split_along(0)
+"""The default strategy: slices along the first dimension."""
+
+
+def join_chunks(answers: Sequence[Tensors], axis: int) -> Tensors:
+    """The chunks' outputs joined in order along the output batch dimension."""
+    if len(answers) == 1:
+        return answers[0]
+    return {name: np.concatenate([answer[name] for answer in answers], axis=axis)
+            for name in answers[0]}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The chunks to send, and how to turn their answers into the caller's answer."""
+
+    chunks: tuple[Tensors, ...]
+    finish: Callable[[Sequence[Tensors]], Tensors]
+
+
+def plan_call(
+    metadata: ModelMetadata, positional: Sequence[Any], named: Mapping[str, Any], *,
+    sample: bool, chunking: ChunkingStrategy | None, max_batch_size: int | None,
+) -> Plan:
+    """Check the inputs and cut them into chunks when they have more rows than the limit
+    (`max_batch_size`, else the metadata's); `sample` adds and removes a batch dimension."""
+    if sample:  # one row: add the batch dimension here, take it off the answer
+        positional = [_add_batch_dim(value, metadata) for value in positional]
+        named = {name: _add_batch_dim(value, metadata) for name, value in named.items()}
+    inputs = check_inputs(metadata, positional, named)
+    rows = batch_rows(inputs, metadata.input_batch_dim)
+    limit = max_batch_size or metadata.max_batch_size
+    chunks: tuple[Tensors, ...] = (inputs,)
+    if limit is not None and rows > limit:
+        strategy = chunking or split_along(metadata.input_batch_dim)
+        chunks = tuple(dict(chunk) for chunk in strategy(inputs, limit))
+        if not chunks:
+            raise ValueError("the chunking strategy returned no chunks")
+    axis = metadata.output_batch_dim
+
+    def finish(answers: Sequence[Tensors]) -> Tensors:
+        joined = join_chunks(answers, axis)
+        if not sample:
+            return joined
+        index = (slice(None),) * axis + (0,)
+        return {name: array[index] for name, array in joined.items()}
+
+    return Plan(chunks, finish)
+
+
+def _add_batch_dim(value: Any, metadata: ModelMetadata) -> Any:
+    # Anything but an array goes through as it is, to be refused by name in check_inputs.
+    if isinstance(value, np.ndarray):
+        return np.expand_dims(value, metadata.input_batch_dim)
+    return value
+
+
+# --- requests and answers -----------------------------------------------------------------------
+
+
+def encode_request(
+    inputs: Mapping[str, np.ndarray], metadata: ModelMetadata, binary: bool, timeout_s: float
+) -> tuple[bytes, dict[str, str]]:
+    """A v2 infer body and its headers; the deadline left travels as `parameters.timeout`."""
+    specs = {spec.name: spec for spec in metadata.inputs}
+    tensors: list[dict[str, Any]] = []
+    blobs: list[bytes | memoryview] = []
+    for name, array in inputs.items():
+        tensor: dict[str, Any] = {
+            "name": name, "datatype": specs[name].datatype, "shape": list(array.shape),
+        }
+        if binary:
+            data = np.ascontiguousarray(array)
+            tensor["parameters"] = {"binary_data_size": data.nbytes}
+            blobs.append(data.data.cast("B") if data.nbytes else b"")
+        else:
+            tensor["data"] = array.reshape(-1).tolist()
+        tensors.append(tensor)
+    document = {
+        "inputs": tensors,
+        "outputs": [{"name": spec.name, "parameters": {"binary_data": binary}}
+                    for spec in metadata.outputs],
+        # microseconds, at least one: 0 would mean no deadline at all
+        "parameters": {"timeout": max(1, int(timeout_s * 1e6))},
+    }
+    header = orjson.dumps(document)
+    if not binary:
+        return header, {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+    return b"".join([header, *blobs]), headers
+
+
+def decode_response(headers: Mapping[str, str], content: bytes) -> Tensors:
+    """The outputs of a 200 answer, JSON or with binary tensor data, as writable arrays."""
+    try:
+        length = headers.get(HEADER_LENGTH)
+        start = len(content) if length is None else int(length)
+        document = orjson.loads(memoryview(content)[:start])
+        outputs: Tensors = {}
+        for item in document["outputs"]:
+            array, start = _output(item, content, start)
+            outputs[item["name"]] = array
+        return outputs
+    except (KeyError, TypeError, ValueError, orjson.JSONDecodeError) as exc:
+        raise ServerError(200, f"the answer is not a v2 inference response ({exc!r})") from None
+
+
+def _output(item: Mapping[str, Any], content: bytes, offset: int) -> tuple[np.ndarray, int]:
+    dtype = DATATYPES[item["datatype"]]
+    shape = tuple(item["shape"])
+    size = (item.get("parameters") or {}).get("binary_data_size")
+    if size is None:
+        return np.asarray(item["data"], dtype).reshape(shape), offset
+    count = math.prod(shape)
+    if count * dtype.itemsize != size or offset + size > len(content):
+        raise ValueError(f"output {item['name']!r} has {size} bytes of binary data that do "
+                         f"not fit shape {list(shape)} of {item['datatype']}")
+    array = np.frombuffer(content, dtype, count, offset).reshape(shape).copy()
+    return array, offset + size
+
+
+# --- error answers and retries ------------------------------------------------------------------
+
+
+def check_answer(
+    status: int, headers: Mapping[str, str], content: bytes, remaining_s: float
+) -> float | None:
+    """None for a success; for a 503 whose `Retry-After` fits in the `remaining_s` of the
+    deadline, the seconds to wait before trying again; any other error is raised."""
+    if 200 <= status < 300:
+        return None
+    message = _error_message(content)
+    if status != 503:
+        raise ServerError(status, message)
+    delay = retry_after(headers.get("Retry-After"))
+    if delay is None:
+        raise ServerUnavailable(message, None, " (no Retry-After: not retried)")
+    if delay >= remaining_s:
+        raise ServerUnavailable(
+            message, delay,
+            f" (retrying after {delay:g} s would pass the deadline, {remaining_s:.3g} s away)",
+        )
+    return delay
+
+
+def retry_after(value: str | None, now: Callable[[], float] = time.time) -> float | None:
+    """`Retry-After` in seconds: a number of seconds, or an HTTP date; None when unreadable."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    # An HTTP date is wall-clock time by definition, so this one reading of it is too.
+    return max(0.0, when.timestamp() - now())
+
+
+def _error_message(content: bytes) -> str:
+    """The server's `{"error": "..."}` text, or the body itself when it is something else."""
+    try:
+        error = orjson.loads(content).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        error = None
+    if isinstance(error, str):
+        return error
+    text = content[:300].decode("utf-8", "replace")
+    return text or "(empty body)"
