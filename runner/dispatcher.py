@@ -212,11 +212,12 @@ class Dispatcher:
             self._reply(reply, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
             return
         now = self.clock()
-        limit_s = min(budget_s, self.max_latency_s)
-        deadline = now + limit_s
+        deadline = now + min(budget_s, self.max_latency_s)
         rows = batching.rows(tensors, self.runner.batch_dim[0])
-        if self._least_time_s(rows) > limit_s:
-            self._reply(reply, self._too_large(rows, limit_s))
+        # Judged against the runner's own limit, not what is left of it: time lost on the way
+        # here is a passing delay, and a request that fits an idle model may run later.
+        if self._least_time_s(rows) > self.max_latency_s:
+            self._reply(reply, self._too_large(rows))
             return
         if rows <= self.cap:
             self._offer(_Job(tensors, reply, started=started), rows, now, deadline)
@@ -233,19 +234,18 @@ class Dispatcher:
         idle_time_s = self.policy.idle_time_s
         return full * idle_time_s(self.cap) + (idle_time_s(rest) if rest else 0.0)
 
-    def _too_large(self, rows: int, limit_s: float) -> Rejection:
+    def _too_large(self, rows: int) -> Rejection:
         """Why a request that no wait can help is refused, with the most rows that fit."""
         low, high = 0, rows  # the most rows that fit lies in [low, high)
         while high - low > 1:
             middle = (low + high) // 2
-            low, high = (middle, high) if self._least_time_s(middle) <= limit_s else (low, middle)
-        advice = (f"send at most {low} rows a request" if low else
-                  "no request fits: raise max_latency_ms, or the request's timeout")
+            fits = self._least_time_s(middle) <= self.max_latency_s
+            low, high = (middle, high) if fits else (low, middle)
+        advice = f"send at most {low} rows a request" if low else "raise max_latency_ms"
         return Rejection(FailureCode.TOO_LARGE, (
             f"{rows} rows need {self._least_time_s(rows) * 1000:.1f} ms on runner "
-            f"{self.runner.name!r} even when it is idle, by its current cost model, over the "
-            f"{limit_s * 1000:.1f} ms they may take (its max_latency_ms is "
-            f"{self.runner.batching.max_latency_ms:g}); {advice}"
+            f"{self.runner.name!r} even when it is idle, by its current cost model, over its "
+            f"max_latency_ms of {self.runner.batching.max_latency_ms:g}; {advice}"
         ))
 
     def _offer(self, job: _Job, rows: int, now: float, deadline: float) -> None:
