@@ -56,6 +56,7 @@ from batchserve.api.errors import (
     error_response,
 )
 from batchserve.api.overload import Shedder, watch
+from batchserve.api.reserve import Reserve
 from batchserve.runner.config import Config, RunnerConfig
 from batchserve.runner.metrics import SECONDS_BUCKETS
 from batchserve.runner.types import Tensors
@@ -132,6 +133,7 @@ class Service:
         self.inflight = 0  # requests accepted and not yet answered
         self.stopping = False
         self.waiting = dict.fromkeys(config.runners, 0)  # calls out to each runner
+        self.reserves = {name: Reserve() for name in config.runners}
         self._ok = {
             name: (request_duration.labels(name, "200"), requests_total.labels(name, "200"))
             for name in config.runners
@@ -222,9 +224,13 @@ class Service:
         limit = runner.batching.max_latency_ms / 1000
         if call.timeout_s is not None:
             limit = min(limit, call.timeout_s)
-        budget = limit - (time.monotonic() - arrived)
+        reserve = self.reserves[runner.name]
+        sent = time.monotonic()
+        budget = limit - (sent - arrived) - reserve.seconds(limit)
         outputs = await self._call(runner.name, call.inputs, budget)
-        return protocol.encode_infer(runner.name, call, outputs, runner)
+        encoded = protocol.encode_infer(runner.name, call, outputs, runner)
+        reserve.observe(time.monotonic() - (sent + budget))
+        return encoded
 
     async def _body(self, receive: Receive, length: str | None) -> bytes:
         limit = self.config.api.max_body_bytes
