@@ -34,6 +34,8 @@ class TensorSpec:
     datatype: str
     shape: tuple[int, ...]
     finite: bool = False  # the model cannot take NaN or infinity: refuse them with a 400
+    # False: requests are not joined on this input; the model gets one item per request.
+    batchable: bool = True
 
     @property
     def dtype(self) -> np.dtype[Any]:
@@ -58,6 +60,11 @@ class RunnerConfig:
     batch_dim: tuple[int, int] = (0, 0)
     threads: int = 1
     batch_timeout_ms: float | None = None
+
+    @property
+    def unbatched(self) -> frozenset[str]:
+        """The inputs declared `batchable: false`, which the model gets as per-request lists."""
+        return frozenset(spec.name for spec in self.inputs if not spec.batchable)
 
     @property
     def batch_timeout_s(self) -> float:
@@ -130,8 +137,8 @@ def _str(key: str, value: Any) -> str:
     return value
 
 
-def _tensor(key: str, value: Any) -> TensorSpec:
-    raw = _mapping(key, value, {"name", "datatype", "shape", "finite"})
+def _tensor(key: str, value: Any, keys: set[str]) -> TensorSpec:
+    raw = _mapping(key, value, keys)
     for required in ("name", "datatype", "shape"):
         if required not in raw:
             raise ConfigError(f"{key}.{required} is missing")
@@ -147,16 +154,32 @@ def _tensor(key: str, value: Any) -> TensorSpec:
     finite = _bool(f"{key}.finite", raw.get("finite", False))
     if finite and DATATYPES[datatype].kind != "f":
         raise _fail(f"{key}.finite", finite, f"false for {datatype}, which cannot hold NaN")
-    return TensorSpec(_str(f"{key}.name", raw["name"]), datatype, tuple(shape), finite)
+    batchable = _bool(f"{key}.batchable", raw.get("batchable", True))
+    return TensorSpec(_str(f"{key}.name", raw["name"]), datatype, tuple(shape), finite, batchable)
 
 
-def _tensors(key: str, value: Any) -> tuple[TensorSpec, ...]:
+TENSOR_KEYS = {"name", "datatype", "shape", "finite"}
+INPUT_KEYS = TENSOR_KEYS | {"batchable"}
+
+
+def _tensors(key: str, value: Any, keys: set[str] = TENSOR_KEYS) -> tuple[TensorSpec, ...]:
     if not isinstance(value, list) or not value:
         raise _fail(key, value, "a non-empty list of tensors {name, datatype, shape}")
-    specs = tuple(_tensor(f"{key}[{i}]", item) for i, item in enumerate(value))
+    specs = tuple(_tensor(f"{key}[{i}]", item, keys) for i, item in enumerate(value))
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise _fail(key, names, "a list of tensors with distinct names")
+    return specs
+
+
+def _inputs(key: str, value: Any) -> tuple[TensorSpec, ...]:
+    """The inputs; at least one is batchable, since a request's rows are counted on those."""
+    specs = _tensors(key, value, INPUT_KEYS)
+    if all(not spec.batchable for spec in specs):
+        raise ConfigError(
+            f"{key} has only inputs with batchable: false; at least one input must be "
+            "batchable, to count each request's rows"
+        )
     return specs
 
 
@@ -184,6 +207,8 @@ def _batch_dim(key: str, value: Any, runner: RunnerConfig) -> tuple[int, int]:
         (("inputs", runner.inputs), ("outputs", runner.outputs)), dims, strict=True
     ):
         for spec in specs:
+            if not spec.batchable:  # it has no batch dimension: each request brings its own
+                continue
             if dim >= len(spec.shape) or spec.shape[dim] != -1:
                 raise ConfigError(
                     f"{key} has value {list(value)!r}; {spec_key} tensor {spec.name!r} with "
@@ -209,7 +234,7 @@ def _runner(key: str, name: str, value: Any) -> RunnerConfig:
     runner = RunnerConfig(
         name=name,
         model=model,
-        inputs=_tensors(f"{key}.inputs", raw["inputs"]),
+        inputs=_inputs(f"{key}.inputs", raw["inputs"]),
         outputs=_tensors(f"{key}.outputs", raw["outputs"]),
         workers=_int(f"{key}.workers", raw.get("workers", 1), 1),
         batching=_batching(f"{key}.batching", raw.get("batching", {})),

@@ -50,8 +50,9 @@ def check_inputs(runner: RunnerConfig, tensors: Tensors) -> str | None:
     expected = {spec.name for spec in runner.inputs}
     if set(tensors) != expected:
         return f"inputs {sorted(tensors)} do not match the signature's {sorted(expected)}"
-    dim = runner.batch_dim[0]
-    batch = {array.shape[dim] if array.ndim > dim else -1 for array in tensors.values()}
+    dim, unbatched = runner.batch_dim[0], runner.unbatched
+    batch = {array.shape[dim] if array.ndim > dim else -1
+             for name, array in tensors.items() if name not in unbatched}
     for spec in runner.inputs:
         array = tensors[spec.name]
         if array.dtype != spec.dtype:

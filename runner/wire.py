@@ -13,8 +13,12 @@ names a unix socket today and a TCP endpoint when runners move to other hosts.
     Started := u32 count | u64 call_ids[count]           (runner -> API; id 0)
     Ping, Pong := (empty)
     tensor  := u8 name_len | name | u8 dtype | u8 ndim | i64 dims[ndim] | pad to 8 | data
+    data    := the elements' raw bytes, row-major, little-endian
+             | u64 size | (u32 length | bytes)*     (BYTES: each element prefixed by its length)
 
 Tensor data starts 8-byte aligned within the body so numpy and torch can view it in place.
+BYTES elements are laid out as the v2 binary tensor extension lays them out, behind the
+total size of that layout so a reader can bounds-check it before reading an element.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from batchserve.runner.types import DATATYPES, Tensors
+from batchserve.runner.types import BYTES, DATATYPES, Tensors
 
 _LENGTH = struct.Struct("<I")
 _HEAD = struct.Struct("<BQ")
@@ -37,6 +41,8 @@ _CALL = struct.Struct("<dH")
 _COUNT = struct.Struct("<H")
 _FAILURE = struct.Struct("<Bd")
 _STARTED = struct.Struct("<I")
+_SIZE = struct.Struct("<Q")
+_ELEMENT = struct.Struct("<I")
 _DTYPES = list(DATATYPES.values())
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 MAX_FRAME = 1 << 31
@@ -128,9 +134,23 @@ def _tensor_chunks(name: str, array: np.ndarray, offset: int, out: Chunks) -> in
     pad = -offset % 8
     out.append(header + b"\0" * pad)
     offset += pad
+    if array.dtype == BYTES:
+        return offset + _bytes_chunks(name, array, out)
     data = np.ascontiguousarray(array)
     out.append(memoryview(data).cast("B"))  # type: ignore[arg-type]
     return offset + data.nbytes
+
+
+def _bytes_chunks(name: str, array: np.ndarray, out: Chunks) -> int:
+    """Append a BYTES tensor's size and length-prefixed elements; return their byte count."""
+    parts: list[bytes] = []
+    for item in array.flat:
+        if type(item) is not bytes:
+            raise WireError(f"tensor {name!r} is BYTES but holds a {type(item).__name__}")
+        parts += (_ELEMENT.pack(len(item)), item)
+    data = b"".join(parts)
+    out.append(_SIZE.pack(len(data)) + data)
+    return _SIZE.size + len(data)
 
 
 def _tensors_chunks(tensors: Tensors, offset: int, out: Chunks) -> None:
@@ -182,13 +202,40 @@ def _read_tensors(body: bytearray, offset: int, count: int) -> Tensors:
         offset += 8 * ndim
         offset += -offset % 8
         dtype = _DTYPES[code]
-        count_items = math.prod(shape)
-        end = offset + count_items * dtype.itemsize
-        if min(shape, default=0) < 0 or end > len(body):
+        if min(shape, default=0) < 0:
+            raise WireError(f"tensor {name!r} has shape {list(shape)}")
+        if dtype == BYTES:
+            tensors[name], offset = _read_bytes(name, body, offset, shape)
+            continue
+        end = offset + math.prod(shape) * dtype.itemsize
+        if end > len(body):
             raise WireError(f"tensor {name!r} with shape {list(shape)} overruns its frame")
         tensors[name] = np.frombuffer(view[offset:end], dtype=dtype).reshape(shape)
         offset = end
     return tensors
+
+
+def _read_bytes(
+    name: str, body: bytearray, offset: int, shape: tuple[int, ...]
+) -> tuple[np.ndarray, int]:
+    """A BYTES tensor (an object array of `bytes`) and the offset after it."""
+    (size,) = _SIZE.unpack_from(body, offset)
+    offset += _SIZE.size
+    end = offset + size
+    if end > len(body):
+        raise WireError(f"tensor {name!r} of {size} bytes overruns its frame")
+    array = np.empty(math.prod(shape), object)
+    for i in range(array.size):
+        if offset + _ELEMENT.size > end:
+            raise WireError(f"tensor {name!r} has element {i} overrunning its data")
+        (length,) = _ELEMENT.unpack_from(body, offset)
+        start, offset = offset + _ELEMENT.size, offset + _ELEMENT.size + length
+        if offset > end:
+            raise WireError(f"tensor {name!r} has element {i} overrunning its data")
+        array[i] = bytes(body[start:offset])
+    if offset != end:
+        raise WireError(f"tensor {name!r} has {end - offset} bytes after its elements")
+    return array.reshape(shape), offset
 
 
 def decode(body: bytearray) -> Message:
