@@ -191,10 +191,12 @@ class Link(asyncio.BufferedProtocol):
         name = self.keys.server_name(self.address)
         pause = first
         while True:
-            try:
-                await self.address.connect(lambda: self, tls, name)
-            except OSError as exc:  # refused, unreachable, or TLS (ssl.SSLError) failed
-                self.trouble(str(exc) or type(exc).__name__)
+            try:  # bounded: a host that drops packets would hold a connect for minutes
+                async with asyncio.timeout(self.timeouts.hello_timeout_s):
+                    await self.address.connect(lambda: self, tls, name)
+            except OSError as exc:  # refused, unreachable, timed out, or TLS failed
+                self.trouble(str(exc) or f"no connection within "
+                             f"{self.timeouts.hello_timeout_s:g} s")
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, longest)
                 continue
