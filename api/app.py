@@ -40,7 +40,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from batchserve.api import openapi, protocol
-from batchserve.api.dispatch import Pool, RunnerFailure
+from batchserve.api.dispatch import NO_KEYS, Pool, RunnerFailure
 from batchserve.api.errors import (
     BadRequest,
     BatchserveError,
@@ -59,6 +59,7 @@ from batchserve.api.overload import Shedder, watch
 from batchserve.api.reserve import Reserve
 from batchserve.runner.config import Config, RunnerConfig
 from batchserve.runner.metrics import SECONDS_BUCKETS
+from batchserve.runner.security import Credentials
 from batchserve.runner.types import Tensors
 from batchserve.runner.wire import Address, FailureCode
 
@@ -124,10 +125,12 @@ class Service:
     request takes, and it skips the routing and middleware layers it does not need.
     """
 
-    def __init__(self, config: Config, addresses: Mapping[str, Sequence[Address]]) -> None:
+    def __init__(self, config: Config, addresses: Mapping[str, Sequence[Address]],
+                 keys: Credentials = NO_KEYS) -> None:
         self.config = config
         self.pools = {
-            name: Pool(name, addresses.get(name, ()), config.timeouts) for name in config.runners
+            name: Pool(name, addresses.get(name, ()), config.timeouts, keys)
+            for name in config.runners
         }
         self.shedder = Shedder()
         self.inflight = 0  # requests accepted and not yet answered
@@ -315,9 +318,11 @@ class App:
             await self.routes(scope, receive, send)
 
 
-def create_app(config: Config, addresses: Mapping[str, Sequence[Address]]) -> App:
-    """The API application over runner processes at `addresses` (runner name -> list)."""
-    service = Service(config, addresses)
+def create_app(config: Config, addresses: Mapping[str, Sequence[Address]],
+               keys: Credentials = NO_KEYS) -> App:
+    """The API application over runner processes at `addresses` (runner name -> list),
+    reached with `keys`."""
+    service = Service(config, addresses, keys)
 
     def runner_of(request: Request) -> RunnerConfig:
         return service.runner(request.path_params["name"], request.path_params.get("version"))
