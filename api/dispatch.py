@@ -10,17 +10,24 @@ A connection counts as connected only once the handshake has passed
 another runner, or refuses (or cannot prove) the token stays unreachable, and requests for it
 are answered 503 (`unreachable`) while the log says why. A connection nothing has come from
 for `timeouts.link_idle_s` is pinged, and dropped when the ping goes unanswered.
+
+A runner's processes are its static addresses, or those a `dns+tcp:` name resolves to
+(`batchserve.api.discovery`): a process that appears gets a connection, and one that leaves
+the name is taken out of the random choice at once and its connection closed once the calls
+it holds are answered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
 from collections.abc import Callable, Sequence
 
+from batchserve.api.discovery import Discovery, Resolver, resolve
 from batchserve.api.errors import Unavailable
 from batchserve.runner.handshake import Refused, answer, welcomed
 from batchserve.runner.security import Credentials
@@ -66,12 +73,14 @@ class Link(asyncio.BufferedProtocol):
 
     def __init__(
         self, runner: str, address: Address, timeouts: Timeouts = DEFAULT_TIMEOUTS,
-        keys: Credentials = NO_KEYS,
+        keys: Credentials = NO_KEYS, found_by: Discovery | None = None,
     ) -> None:
         self.runner = runner
         self.address = address
         self.timeouts = timeouts
         self.keys = keys
+        self.found_by = found_by  # the DNS name this process was found by, if any
+        self.settled = asyncio.Event()  # a call was answered or given up
         self.transport: asyncio.Transport | None = None  # set once the handshake passed
         self.outbox: Outbox | None = None
         self.pending: dict[int, asyncio.Future[Message]] = {}
@@ -112,6 +121,7 @@ class Link(asyncio.BufferedProtocol):
             if not future.done():
                 future.set_exception(ran if ident in started else waited)
         self.lost.set()
+        self.settled.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
@@ -183,12 +193,15 @@ class Link(asyncio.BufferedProtocol):
         finally:  # cancelled by a caller's timeout: forget the call
             self.pending.pop(ident, None)
             self.started.discard(ident)
+            self.settled.set()
 
     async def maintain(self) -> None:
         """Keep this link connected for as long as the task runs."""
         first, longest = self.timeouts.reconnect_first_s, self.timeouts.reconnect_max_s
         tls = self.keys.client_context(self.address)
-        name = self.keys.server_name(self.address)
+        # A certificate names the DNS name the process was found by, not its pod's IP.
+        name = self.keys.server_name(self.address if self.found_by is None
+                                     else self.found_by.address)
         pause = first
         while True:
             try:  # bounded: a host that drops packets would hold a connect for minutes
@@ -197,6 +210,8 @@ class Link(asyncio.BufferedProtocol):
             except OSError as exc:  # refused, unreachable, timed out, or TLS failed
                 self.trouble(str(exc) or f"no connection within "
                              f"{self.timeouts.hello_timeout_s:g} s")
+                if self.found_by is not None:  # the process may have left the name
+                    self.found_by.again()
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, longest)
                 continue
@@ -259,6 +274,14 @@ class Link(asyncio.BufferedProtocol):
         log.warning("runner %s at %s: the connection was lost; reconnecting",
                     self.runner, self.address)
 
+    async def leave(self) -> None:
+        """Close once every call in flight is answered (each is bounded by its caller's
+        timeout), without taking new ones: the process left the runner."""
+        while self.pending and self.connected:
+            self.settled.clear()
+            await self.settled.wait()
+        self.close()
+
     def abandon(self, error: Exception) -> None:
         """Fail every call still waiting on this link with `error` (the caller gives up)."""
         for future in self.pending.values():
@@ -267,26 +290,62 @@ class Link(asyncio.BufferedProtocol):
 
 
 class Pool:
-    """The processes of one runner, as seen from one API worker."""
+    """The processes of one runner, as seen from one API worker: its static addresses, and
+    those its `dns+tcp:` names resolve to now."""
 
     def __init__(
         self, runner: str, addresses: Sequence[Address], timeouts: Timeouts = DEFAULT_TIMEOUTS,
-        keys: Credentials = NO_KEYS,
+        keys: Credentials = NO_KEYS, resolver: Resolver = resolve,
     ) -> None:
         self.runner = runner
-        self.links = [Link(runner, address, timeouts, keys) for address in addresses]
-        self._tasks: list[asyncio.Task[None]] = []
+        self.timeouts = timeouts
+        self.keys = keys
+        self.links = [Link(runner, a, timeouts, keys) for a in addresses if not a.discovered]
+        self.names = [Discovery(runner, a, timeouts.resolve_s, resolver)
+                      for a in addresses if a.discovered]
+        self._found: dict[Address, dict[Address, Link]] = {d.address: {} for d in self.names}
+        self._tasks: dict[Link, asyncio.Task[None]] = {}
+        self._watches: list[asyncio.Task[None]] = []
+        self._leaving: dict[Link, asyncio.Task[None]] = {}
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(link.maintain()) for link in self.links]
+        for link in self.links:
+            self._tasks[link] = asyncio.create_task(link.maintain())
+        self._watches = [
+            asyncio.create_task(name.watch(functools.partial(self.update, name)))
+            for name in self.names
+        ]
+
+    def update(self, name: Discovery, found: frozenset[Address]) -> None:
+        """Connect to the processes `name` now has, and let go of those it no longer has."""
+        have = self._found[name.address]
+        if found == have.keys():
+            return
+        for address in found - have.keys():
+            link = have[address] = Link(self.runner, address, self.timeouts, self.keys, name)
+            self.links.append(link)
+            self._tasks[link] = asyncio.create_task(link.maintain())
+        for address in have.keys() - found:
+            self._retire(have.pop(address))
+        log.info("runner %s: %s has %d process(es): %s", self.runner, name.address, len(found),
+                 ", ".join(sorted(str(a) for a in found)) or "none")
+
+    def _retire(self, link: Link) -> None:
+        """Out of the random choice now; closed once the calls it holds are answered."""
+        self.links.remove(link)
+        self._tasks.pop(link).cancel()  # no more reconnecting or pinging
+        task = self._leaving[link] = asyncio.create_task(link.leave())
+        task.add_done_callback(lambda _: self._leaving.pop(link, None))
 
     async def close(self) -> None:
-        for task in self._tasks:
+        links = [*self.links, *self._leaving]
+        tasks = [*self._watches, *self._tasks.values(), *self._leaving.values()]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for link in self.links:
+        for link in links:
             link.close()
 
     @property
@@ -295,7 +354,7 @@ class Pool:
 
     def abandon(self, error: Exception) -> None:
         """Fail every call in flight to this runner with `error`."""
-        for link in self.links:
+        for link in [*self.links, *self._leaving]:
             link.abandon(error)
 
     def pick(self, besides: Link | None = None) -> Link:

@@ -20,7 +20,7 @@ import yaml
 
 from batchserve.runner.timeouts import Timeouts
 from batchserve.runner.types import DATATYPES
-from batchserve.runner.wire import Address
+from batchserve.runner.wire import ADDRESS_FORMS, Address
 
 
 class ConfigError(ValueError):
@@ -254,13 +254,14 @@ RUNNER_KEYS = {
 
 def _addresses(key: str, value: Any) -> tuple[Address, ...]:
     if not isinstance(value, list) or not value:
-        raise _fail(key, value, "a non-empty list of addresses such as tcp:10.0.0.5:7000")
+        raise _fail(key, value, "a non-empty list of addresses such as tcp:10.0.0.5:7000 "
+                    "or dns+tcp:runners.example:7000")
     addresses = []
     for i, text in enumerate(value):
         try:
             addresses.append(Address.parse(_str(f"{key}[{i}]", text)))
         except ValueError:
-            raise _fail(f"{key}[{i}]", text, "an address tcp:host:port or unix:/path") from None
+            raise _fail(f"{key}[{i}]", text, f"an address {ADDRESS_FORMS}") from None
     if len(set(addresses)) != len(addresses):
         raise _fail(key, value, "a list of distinct addresses")
     return tuple(addresses)

@@ -34,7 +34,7 @@ class Credentials:
 
     def check(self, address: Address) -> None:
         """Refuse a TCP link that nothing guards."""
-        if address.scheme == "tcp" and self.token is None and not self.insecure:
+        if address.tcp and self.token is None and not self.insecure:
             raise ConfigError(
                 f"{address} is a TCP address but no token is set: write one to the file "
                 f"transport.token_file names or to ${TOKEN_ENV}, or set transport.insecure: "
@@ -44,7 +44,7 @@ class Credentials:
     def server_context(self, address: Address) -> ssl.SSLContext | None:
         """The runner's TLS context for `address`; None for unix sockets or without TLS."""
         tls = self.tls
-        if tls is None or address.scheme != "tcp":
+        if tls is None or not address.tcp:
             return None
         if tls.runner_cert is None or tls.runner_key is None:
             raise ConfigError("transport.tls.runner_cert is missing: a runner listening on "
@@ -59,7 +59,7 @@ class Credentials:
     def client_context(self, address: Address) -> ssl.SSLContext | None:
         """An API worker's TLS context for `address`; None for unix sockets or without TLS."""
         tls = self.tls
-        if tls is None or address.scheme != "tcp":
+        if tls is None or not address.tcp:
             return None
         if tls.runner_ca is None:
             raise ConfigError("transport.tls.runner_ca is missing: an API worker needs it to "
@@ -72,7 +72,7 @@ class Credentials:
 
     def server_name(self, address: Address) -> str | None:
         """The name a runner's certificate must carry."""
-        if self.tls is None or address.scheme != "tcp":
+        if self.tls is None or not address.tcp:
             return None
         return self.tls.server_name or address.host
 

@@ -324,6 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if runner is None:
             raise ConfigError(f"runners.{args.runner} is not in {args.config}")
         address = Address.parse(args.address or f"unix:{args.socket}")
+        if address.discovered:
+            raise ConfigError(f"--listen {address}: a runner listens on tcp:host:port or "
+                              "unix:/path (dns+tcp: is for finding runners)")
         keys = credentials(config)
         keys.check(address)
         os.environ.setdefault("OMP_NUM_THREADS", str(runner.threads))

@@ -65,6 +65,10 @@ class Timeouts:
     """First pause before an API worker reconnects to a runner; doubles with each failure."""
     reconnect_max_s: float = 1.0
     """The longest pause between reconnection attempts."""
+    resolve_s: float = 5.0
+    """How often an API worker resolves a runner's `dns+tcp:` name again, to connect to
+    processes that appeared and let go of those that left; a connection error resolves it
+    again at once."""
     keep_alive_s: float = 5.0
     """How long an API worker keeps an idle HTTP connection open (uvicorn's keep-alive)."""
     hello_timeout_s: float = 5.0

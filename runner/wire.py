@@ -466,9 +466,15 @@ class FrameSocket:
 # --- addresses --------------------------------------------------------------------------------
 
 
+SCHEMES = ("unix", "tcp", "dns+tcp")
+ADDRESS_FORMS = "unix:/path, tcp:host:port or dns+tcp:name:port"
+
+
 @dataclass(frozen=True, slots=True)
 class Address:
-    """Where a runner listens: `unix:/path/to.sock` or `tcp:host:port`."""
+    """Where a runner listens: `unix:/path/to.sock` or `tcp:host:port`; or, for an API worker
+    only, `dns+tcp:name:port`: every address the name resolves to, found again and again
+    (`batchserve.api.discovery`), each a `tcp:` address of one runner process."""
 
     scheme: str
     target: str
@@ -476,12 +482,12 @@ class Address:
     @classmethod
     def parse(cls, text: str) -> Address:
         scheme, sep, target = text.partition(":")
-        if not sep or scheme not in ("unix", "tcp") or not target:
-            raise ValueError(f"address {text!r} must look like unix:/path or tcp:host:port")
-        if scheme == "tcp":
+        if not sep or scheme not in SCHEMES or not target:
+            raise ValueError(f"address {text!r} must look like {ADDRESS_FORMS}")
+        if scheme != "unix":
             host, _, port = target.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"address {text!r} must look like tcp:host:port")
+            if not host or not port.isdigit() or int(port) > 65535:
+                raise ValueError(f"address {text!r} must look like {scheme}:host:port")
         return cls(scheme, target)
 
     def __str__(self) -> str:
@@ -495,10 +501,30 @@ class Address:
     def host(self) -> str:
         return self._host_port()[0]
 
+    @property
+    def port(self) -> int:
+        return self._host_port()[1]
+
+    @property
+    def tcp(self) -> bool:
+        """Whether links to this address go over TCP (and so need a token, and may use TLS)."""
+        return self.scheme != "unix"
+
+    @property
+    def discovered(self) -> bool:
+        """Whether this address names a set of processes to find by DNS, not one process."""
+        return self.scheme == "dns+tcp"
+
+    def at(self, ip: str) -> Address:
+        """The `tcp:` address of one process this name resolved to."""
+        return Address("tcp", f"{ip}:{self.port}")
+
     async def serve(
         self, factory: Callable[[], asyncio.BaseProtocol], tls: ssl.SSLContext | None = None
     ) -> asyncio.Server:
         loop = asyncio.get_running_loop()
+        if self.discovered:
+            raise ValueError(f"{self} names processes to find by DNS; listen on tcp:host:port")
         if self.scheme == "unix":
             return await loop.create_unix_server(factory, self.target)
         host, port = self._host_port()
@@ -509,6 +535,8 @@ class Address:
         server_name: str | None = None,
     ) -> tuple[asyncio.Transport, Any]:
         loop = asyncio.get_running_loop()
+        if self.discovered:
+            raise ValueError(f"{self} names processes to find by DNS, not one to connect to")
         if self.scheme == "unix":
             return await loop.create_unix_connection(factory, self.target)  # type: ignore
         host, port = self._host_port()
