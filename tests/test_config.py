@@ -115,8 +115,8 @@ def test_the_reference_batching_keys_are_accepted_verbatim(tmp_path: Path) -> No
          "timeouts.grace_s is not a known key; known keys are: api_start_s, call_slack_s, "
          "drain_s, hello_timeout_s, keep_alive_s, kill_after_s, link_idle_s, ping_misses, "
          "ping_period_s, ping_timeout_s, "
-         "reconnect_first_s, reconnect_max_s, resolve_s, restart_first_s, restart_max_s, runner_start_s, "
-         "stable_s"),
+         "reconnect_first_s, reconnect_max_s, resolve_s, restart_first_s, restart_max_s, "
+         "runner_start_s, stable_s"),
         (("runners:", "timeouts: {drain_s: 5, kill_after_s: 5.5}\nrunners:"),
          "timeouts.kill_after_s has value 5.5; it must be at least timeouts.drain_s + 1 (6), "
          "so a process is not killed while it drains"),

@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,8 +35,9 @@ from batchserve.runner.wire import (
     decode,
     encode,
 )
+from tests.conftest import ROOT, Server, start_server, wait_for
+from tests.test_remote import TOKEN, start_runner, stop_runner
 
-pytestmark = pytest.mark.anyio
 KEYS = Credentials(insecure=True)
 NAME = "runners.example"
 
@@ -158,6 +161,7 @@ def hosts(pool: Pool) -> set[str]:
 QUIET = Timeouts(resolve_s=3600)  # only the test (or a connection error) asks DNS again
 
 
+@pytest.mark.anyio
 async def test_processes_come_and_go_with_the_names_answers(cluster: Cluster) -> None:
     dns = cluster.dns
     dns.answer = ["127.0.0.2"]
@@ -180,6 +184,7 @@ async def test_processes_come_and_go_with_the_names_answers(cluster: Cluster) ->
     assert cluster.runners["127.0.0.2"].connections == 1  # never reconnected once dropped
 
 
+@pytest.mark.anyio
 async def test_periodic_resolution_finds_a_new_process(cluster: Cluster) -> None:
     dns = cluster.dns
     dns.answer = ["127.0.0.2"]
@@ -193,6 +198,7 @@ async def test_periodic_resolution_finds_a_new_process(cluster: Cluster) -> None
         await pool.close()
 
 
+@pytest.mark.anyio
 async def test_a_failed_resolution_keeps_the_processes(
     cluster: Cluster, caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -223,6 +229,7 @@ async def test_a_failed_resolution_keeps_the_processes(
     ]
 
 
+@pytest.mark.anyio
 async def test_a_connection_error_resolves_the_name_again(cluster: Cluster) -> None:
     """127.0.0.4 has no runner (a pod that left): failing to connect asks DNS again, and the
     new answer drops it, long before the hour-long period would."""
@@ -239,6 +246,7 @@ async def test_a_connection_error_resolves_the_name_again(cluster: Cluster) -> N
         await pool.close()
 
 
+@pytest.mark.anyio
 async def test_a_process_that_leaves_answers_its_calls_in_flight_first(cluster: Cluster) -> None:
     dns = cluster.dns
     dns.answer = ["127.0.0.2"]
@@ -263,6 +271,7 @@ async def test_a_process_that_leaves_answers_its_calls_in_flight_first(cluster: 
         await pool.close()
 
 
+@pytest.mark.anyio
 async def test_the_system_resolver_reads_the_hosts_file() -> None:
     assert "127.0.0.1" in await resolve("localhost", 7000)
 
@@ -303,3 +312,58 @@ def test_a_dns_address_needs_a_token_like_tcp() -> None:
     with pytest.raises(ConfigError, match="dns\\+tcp:runners:7000 is a TCP address but no "
                        "token is set"):
         Credentials().check(Address.parse("dns+tcp:runners:7000"))
+
+
+# --- real processes ----------------------------------------------------------------------------
+
+PIDS = """
+transport: {{token_file: token}}
+runners:
+  pids:
+    model: fixture_models:pid_echo
+    {addresses}
+    batching: {{max_batch_size: 8, max_latency_ms: 1000}}
+    inputs: [{{name: x, datatype: FP32, shape: [-1, 4]}}]
+    outputs: [{{name: echo, datatype: FP32, shape: [-1, 4]}},
+              {{name: pid, datatype: INT64, shape: [-1, 1]}}]
+"""
+
+
+def test_an_api_only_front_reaches_runners_by_address_and_by_name(tmp_path: Path) -> None:
+    """Two `batchserve runner` processes: one on 127.0.0.2 listed as a `tcp:` address, one on
+    127.0.0.1 found through the name `localhost` (the hosts file, resolved by the API worker
+    as it would resolve a headless Service). Requests reach both."""
+    shutil.copy(ROOT / "tests" / "fixture_models.py", tmp_path / "fixture_models.py")
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    config = tmp_path / "runner.yml"
+    config.write_text(PIDS.format(addresses=""))
+    runners = [start_runner(config, "pids", f"tcp:{ip}:0") for ip in ("127.0.0.2", "127.0.0.1")]
+    front: Server | None = None
+    try:
+        by_ip, by_name = runners[0].address, runners[1].address.replace("tcp:127.0.0.1:",
+                                                                          "dns+tcp:localhost:")
+        (tmp_path / "front.yml").write_text(PIDS.format(
+            addresses=f"addresses: [{by_ip}, {by_name}]"))
+        front = start_server(tmp_path / "front.yml", "--api-only", "--api-workers", "1")
+        seen: set[int] = set()
+
+        def both_served() -> bool:
+            body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
+                                "data": [1, 2, 3, 4]}]}
+            with front.client() as client:  # type: ignore[union-attr]
+                answer = client.post("/v2/models/pids/infer", json=body)
+            if answer.status_code == 200:
+                outputs = {o["name"]: o["data"] for o in answer.json()["outputs"]}
+                assert outputs["echo"] == [1, 2, 3, 4]
+                seen.add(outputs["pid"][0])
+            return len(seen) == 2
+
+        wait_for(both_served, 60, "requests served by both runners")
+        assert seen == {runner.process.pid for runner in runners}
+        assert any(f"dns+tcp:localhost:{by_name.rsplit(':', 1)[1]} has 1 process(es): "
+                   f"{runners[1].address}" in line for line in front.log), "".join(front.log)
+    finally:
+        if front is not None:
+            assert front.stop() == 0, "".join(front.log)
+        for runner in runners:
+            assert stop_runner(runner) == 0, "".join(runner.log)

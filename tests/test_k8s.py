@@ -22,6 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from batchserve.runner.config import parse
 from batchserve.runner.metrics import gauges
 from batchserve.runner.timeouts import Timeouts
 
@@ -294,6 +295,20 @@ def test_pods_mount_the_configuration_and_the_token(
     secret = env["BATCHSERVE_TOKEN"]["valueFrom"]["secretKeyRef"]
     token = one(docs, "Secret", secret["name"])["data"][secret["key"]]
     assert len(token) >= 16
+
+
+def test_a_leaving_runner_serves_until_the_api_resolves_its_service_again(
+    rendered: dict[str, list[Doc]],
+) -> None:
+    """The API workers see a runner pod leave the headless Service at their next resolution
+    (every timeouts.resolve_s, behind the DNS answer's own cache): its preStop sleep covers two."""
+    docs = rendered["base"]
+    config = configuration(docs)
+    timeouts = Timeouts(**config["timeouts"])
+    spec = deployment(docs, "runner")["spec"]["template"]["spec"]
+    assert spec["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"] >= (
+        2 * timeouts.resolve_s)
+    parse(config)  # and the configuration, dns+tcp: address included, is valid
 
 
 def test_grace_periods_cover_the_drain(rendered: dict[str, list[Doc]]) -> None:

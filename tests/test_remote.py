@@ -60,10 +60,11 @@ class Runner:
         return any(text in line for line in self.log)
 
 
-def start_runner(config: Path) -> Runner:
+def start_runner(config: Path, runner_name: str = "iris_clf",
+                 listen: str = "tcp:127.0.0.1:0") -> Runner:
     process = subprocess.Popen(
-        [BATCHSERVE, "runner", "--config", str(config), "--runner", "iris_clf",
-         "--listen", "tcp:127.0.0.1:0", "--metrics-port", "0"],
+        [BATCHSERVE, "runner", "--config", str(config), "--runner", runner_name,
+         "--listen", listen, "--metrics-port", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
         cwd=config.parent,
     )
