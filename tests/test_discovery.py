@@ -18,9 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from batchserve.api.discovery import resolve
 from batchserve.api.dispatch import Link, Pool
+from batchserve.runner import server as runner_server
 from batchserve.runner.config import ConfigError, parse
 from batchserve.runner.handshake import admit, opening
 from batchserve.runner.security import Credentials
@@ -312,6 +314,18 @@ def test_a_dns_address_needs_a_token_like_tcp() -> None:
     with pytest.raises(ConfigError, match="dns\\+tcp:runners:7000 is a TCP address but no "
                        "token is set"):
         Credentials().check(Address.parse("dns+tcp:runners:7000"))
+
+
+def test_a_runner_cannot_listen_on_a_dns_address(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = tmp_path / "configuration.yml"
+    config.write_text(yaml.safe_dump({"runners": {"m": RUNNER}}))
+    assert runner_server.main(["--config", str(config), "--runner", "m",
+                        "--listen", "dns+tcp:runners:7000"]) == 3
+    assert capsys.readouterr().err == (
+        "error: --listen dns+tcp:runners:7000: a runner listens on tcp:host:port or "
+        "unix:/path (dns+tcp: is for finding runners)\n")
 
 
 # --- real processes ----------------------------------------------------------------------------
