@@ -42,7 +42,7 @@ def split(outputs: Tensors, sizes: Sequence[int], dim: int) -> list[Tensors]:
 
 
 def chunk(tensors: Tensors, dim: int, size: int) -> list[Tensors]:
-    """Cut a request larger than the batch cap into pieces of at most `size` rows (views)."""
+    """Cut a request larger than `max_batch_size` into pieces of at most `size` rows (views)."""
     total = rows(tensors, dim)
     lead = (slice(None),) * dim
     return [
