@@ -223,7 +223,7 @@ class Service:
         if call.timeout_s is not None:
             limit = min(limit, call.timeout_s)
         budget = limit - (time.monotonic() - arrived)
-        outputs = await self._call(runner.name, call.inputs, budget)
+        outputs = await self._call(runner.name, call.inputs, call.rows, budget)
         return protocol.encode_infer(runner.name, call, outputs, runner)
 
     async def _body(self, receive: Receive, length: str | None) -> bytes:
@@ -244,7 +244,7 @@ class Service:
                 return chunk if not chunks else b"".join([*chunks, chunk])
             chunks.append(chunk)
 
-    async def _call(self, runner: str, inputs: Tensors, budget: float) -> Tensors:
+    async def _call(self, runner: str, inputs: Tensors, rows: int, budget: float) -> Tensors:
         if budget <= 0:
             raise Unavailable(
                 f"the request's deadline passed before it reached {runner!r}", reason="late"
@@ -255,7 +255,7 @@ class Service:
             # is in a batch; the slack only bounds a runner process that hangs as a whole.
             limit = self.config.runners[runner].batch_timeout_s
             async with asyncio.timeout(budget + limit + self.config.timeouts.call_slack_s):
-                return await self.pools[runner].infer(inputs, budget)
+                return await self.pools[runner].infer(inputs, rows, budget)
         except RunnerFailure as failure:
             raise _failure_error(runner, failure) from None
         except TimeoutError:

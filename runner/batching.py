@@ -14,11 +14,6 @@ import numpy as np
 from batchserve.runner.types import Tensors
 
 
-def rows(tensors: Tensors, dim: int) -> int:
-    """The batch size of a request: its length along the batch dimension."""
-    return next(iter(tensors.values())).shape[dim]
-
-
 def concatenate(parts: Sequence[Tensors], dim: int) -> Tensors:
     if len(parts) == 1:
         return parts[0]
@@ -41,11 +36,12 @@ def split(outputs: Tensors, sizes: Sequence[int], dim: int) -> list[Tensors]:
     return [{name: pieces[name][i] for name in outputs} for i in range(len(sizes))]
 
 
-def chunk(tensors: Tensors, dim: int, size: int) -> list[Tensors]:
-    """Cut a request larger than `max_batch_size` into pieces of at most `size` rows (views)."""
-    total = rows(tensors, dim)
+def chunk(tensors: Tensors, rows: int, dim: int, size: int) -> list[tuple[Tensors, int]]:
+    """Cut a request of `rows` rows into pieces of at most `size` rows (views), each with
+    its own row count."""
     lead = (slice(None),) * dim
     return [
-        {name: array[(*lead, slice(start, start + size))] for name, array in tensors.items()}
-        for start in range(0, total, size)
+        ({name: array[(*lead, slice(start, start + size))] for name, array in tensors.items()},
+         min(size, rows - start))
+        for start in range(0, rows, size)
     ]

@@ -204,27 +204,31 @@ class Dispatcher:
     # --- arrivals -----------------------------------------------------------------------------
 
     def submit(
-        self, tensors: Tensors, budget_s: float, reply: Reply, started: Started | None = None
+        self,
+        tensors: Tensors,
+        rows: int,
+        budget_s: float,
+        reply: Reply,
+        started: Started | None = None,
     ) -> None:
-        """Queue one request; `reply` is called exactly once, on the event loop, and `started`
-        whenever a batch holding it (or a piece of it) goes to the model."""
+        """Queue one request of `rows` rows, checked against the signature already; `reply`
+        is called exactly once, on the event loop, and `started` whenever a batch holding it
+        (or a piece of it) goes to the model."""
         if not self._accepting:
             self._reply(reply, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
             return
         now = self.clock()
         limit_s = min(budget_s, self.max_latency_s)
         deadline = now + limit_s
-        rows = batching.rows(tensors, self.runner.batch_dim[0])
         if self._least_time_s(rows) > limit_s:
             self._reply(reply, self._too_large(rows, limit_s))
             return
         if rows <= self.max_batch_size:
             self._offer(_Job(tensors, reply, started=started), rows, now, deadline)
             return
-        pieces = batching.chunk(tensors, self.runner.batch_dim[0], self.max_batch_size)
+        pieces = batching.chunk(tensors, rows, self.runner.batch_dim[0], self.max_batch_size)
         whole = _Whole(reply, [None] * len(pieces), len(pieces))
-        for index, piece in enumerate(pieces):
-            size = batching.rows(piece, self.runner.batch_dim[0])
+        for index, (piece, size) in enumerate(pieces):
             self._offer(_Job(piece, reply, whole, index, started), size, now, deadline)
 
     def _least_time_s(self, rows: int) -> float:
