@@ -4,6 +4,12 @@ Every API worker keeps one connection per runner process and picks a process uni
 random for each request, among those connected. A connection that drops fails its calls in
 flight at once (503), and reconnects in the background, so a restarted runner takes
 traffic again without anyone asking.
+
+A connection counts as connected only once the handshake has passed
+(`batchserve.runner.handshake`): a runner that speaks another protocol version, serves
+another runner, or refuses (or cannot prove) the token stays unreachable, and requests for it
+are answered 503 (`unreachable`) while the log says why. A connection nothing has come from
+for `timeouts.link_idle_s` is pinged, and dropped when the ping goes unanswered.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from batchserve.api.errors import Unavailable
+from batchserve.runner.handshake import Refused, answer, welcomed
+from batchserve.runner.security import Credentials
 from batchserve.runner.timeouts import Timeouts
 from batchserve.runner.types import Tensors
 from batchserve.runner.wire import (
@@ -24,6 +32,7 @@ from batchserve.runner.wire import (
     Failure,
     FailureCode,
     FrameReader,
+    Hello,
     Message,
     Outbox,
     Ping,
@@ -31,10 +40,13 @@ from batchserve.runner.wire import (
     Started,
     WireError,
     decode,
+    encode,
+    tune,
 )
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUTS = Timeouts()
+NO_KEYS = Credentials()
 
 
 class NotStarted(Unavailable):
@@ -53,31 +65,44 @@ class Link(asyncio.BufferedProtocol):
     """One connection to one runner process, with the calls waiting on it."""
 
     def __init__(
-        self, runner: str, address: Address, timeouts: Timeouts = DEFAULT_TIMEOUTS
+        self, runner: str, address: Address, timeouts: Timeouts = DEFAULT_TIMEOUTS,
+        keys: Credentials = NO_KEYS,
     ) -> None:
         self.runner = runner
         self.address = address
         self.timeouts = timeouts
-        self.transport: asyncio.Transport | None = None
+        self.keys = keys
+        self.transport: asyncio.Transport | None = None  # set once the handshake passed
         self.outbox: Outbox | None = None
         self.pending: dict[int, asyncio.Future[Message]] = {}
         self.started: set[int] = set()  # pending calls whose batch went to the model
         self.reader = FrameReader()
         self.next_id = 0
         self.lost = asyncio.Event()
+        self.greeted = asyncio.Event()
+        self.heard = 0.0
+        self.peer: Hello | None = None  # the runner's Hello on the current connection
+        self._opening: asyncio.Transport | None = None  # connected, handshake under way
+        self._hello: Hello | None = None  # this end's Hello, sent
+        self._trouble: str | None = None  # what was last logged about reaching the runner
+        self.refused = False  # the last handshake failed on a check, not on the network
 
     @property
     def connected(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self.outbox = Outbox(self.transport)  # type: ignore[arg-type]
+        self._opening = transport  # type: ignore[assignment]
+        self._hello = self.peer = None
         self.reader = FrameReader()
+        self.heard = time.monotonic()
         self.lost.clear()
+        self.greeted.clear()
+        self.refused = False
+        tune(transport, self.timeouts.link_idle_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
+        self.transport = self._opening = None
         pending, self.pending = self.pending, {}
         started, self.started = self.started, set()
         where = f"runner {self.runner!r} at {self.address}"
@@ -92,9 +117,13 @@ class Link(asyncio.BufferedProtocol):
         return self.reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.heard = time.monotonic()
         try:
             for body in self.reader.buffer_updated(nbytes):
                 message = decode(body)
+                if self.transport is None:
+                    self._greet(message)
+                    continue
                 if isinstance(message, Started):
                     self.started.update(c for c in message.calls if c in self.pending)
                     continue
@@ -103,8 +132,41 @@ class Link(asyncio.BufferedProtocol):
                     future.set_result(message)
         except WireError as exc:
             log.error("runner %s at %s sent a bad frame: %s", self.runner, self.address, exc)
-            if self.transport is not None:
-                self.transport.close()
+            self.close()
+
+    def _greet(self, message: Message) -> None:
+        """One step of the handshake: answer the runner's Hello, then check its Welcome."""
+        opening = self._opening
+        if opening is None or opening.is_closing():
+            return
+        token = self.keys.token
+        try:
+            if self._hello is None:
+                self._hello = answer(message, self.runner, token)
+                self.peer = message  # type: ignore[assignment]
+                opening.writelines(encode(self._hello))
+                return
+            assert self.peer is not None
+            welcomed(self.peer, self._hello, message, token)
+        except Refused as exc:
+            self.refused = True
+            self.trouble(str(exc))
+            opening.close()
+            return
+        self.transport, self._opening = opening, None
+        self.outbox = Outbox(opening)
+        self.greeted.set()
+
+    def close(self) -> None:
+        for transport in (self.transport, self._opening):
+            if transport is not None:
+                transport.close()
+
+    def trouble(self, why: str) -> None:
+        """Log why the runner cannot be reached, once until that changes or it is reached."""
+        if why != self._trouble:
+            log.warning("runner %s at %s is unreachable: %s", self.runner, self.address, why)
+            self._trouble = why
 
     async def call(self, build: Callable[[int], Call | Ping]) -> Message:
         """Send the message `build` makes for a fresh id and wait for its answer."""
@@ -125,16 +187,77 @@ class Link(asyncio.BufferedProtocol):
     async def maintain(self) -> None:
         """Keep this link connected for as long as the task runs."""
         first, longest = self.timeouts.reconnect_first_s, self.timeouts.reconnect_max_s
+        tls = self.keys.client_context(self.address)
+        name = self.keys.server_name(self.address)
         pause = first
         while True:
-            try:
-                await self.address.connect(lambda: self)
-            except OSError:
+            try:  # bounded: a host that drops packets would hold a connect for minutes
+                async with asyncio.timeout(self.timeouts.hello_timeout_s):
+                    await self.address.connect(lambda: self, tls, name)
+            except OSError as exc:  # refused, unreachable, timed out, or TLS failed
+                self.trouble(str(exc) or f"no connection within "
+                             f"{self.timeouts.hello_timeout_s:g} s")
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, longest)
                 continue
+            if not await self._handshake():
+                # A refusal (version, runner, token) mends only when one side is restarted.
+                await asyncio.sleep(self.timeouts.link_idle_s if self.refused else pause)
+                pause = min(pause * 2, longest)
+                continue
             pause = first
-            await self.lost.wait()
+            await self._keep()
+
+    async def _handshake(self) -> bool:
+        """Wait for the handshake to pass; False (and the connection closed) if it did not."""
+        limit = self.timeouts.hello_timeout_s
+        done = asyncio.ensure_future(self.greeted.wait())
+        gone = asyncio.ensure_future(self.lost.wait())
+        try:
+            await asyncio.wait((done, gone), timeout=limit,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            done.cancel()
+            gone.cancel()
+        if self.greeted.is_set() and self.connected:
+            assert self.peer is not None
+            log.info("connected to runner %s at %s (protocol %d, max_batch_size %d)",
+                     self.runner, self.address, self.peer.version, self.peer.max_batch_size)
+            self._trouble = None
+            return True
+        if not self.lost.is_set():
+            self.trouble(f"no handshake within {limit:g} s")
+            self.close()
+        elif not self.refused:
+            self.trouble("it closed the connection during the handshake (TLS refused, or "
+                         "not a runner)")
+        await self.lost.wait()
+        return False
+
+    async def _keep(self) -> None:
+        """Until the connection is lost: ping it when nothing was heard for a while, and
+        drop it when the ping goes unanswered."""
+        idle = self.timeouts.link_idle_s
+        while not self.lost.is_set():
+            quiet = time.monotonic() - self.heard
+            if quiet < idle:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(idle - quiet):
+                        await self.lost.wait()
+                continue
+            try:
+                async with asyncio.timeout(self.timeouts.ping_timeout_s):
+                    await self.call(Ping)
+            except TimeoutError:
+                log.warning("runner %s at %s did not answer a ping within %g s; reconnecting",
+                            self.runner, self.address, self.timeouts.ping_timeout_s)
+                if self.transport is not None:
+                    self.transport.abort()
+                await self.lost.wait()
+            except Unavailable:
+                await self.lost.wait()
+        log.warning("runner %s at %s: the connection was lost; reconnecting",
+                    self.runner, self.address)
 
     def abandon(self, error: Exception) -> None:
         """Fail every call still waiting on this link with `error` (the caller gives up)."""
@@ -147,10 +270,11 @@ class Pool:
     """The processes of one runner, as seen from one API worker."""
 
     def __init__(
-        self, runner: str, addresses: Sequence[Address], timeouts: Timeouts = DEFAULT_TIMEOUTS
+        self, runner: str, addresses: Sequence[Address], timeouts: Timeouts = DEFAULT_TIMEOUTS,
+        keys: Credentials = NO_KEYS,
     ) -> None:
         self.runner = runner
-        self.links = [Link(runner, address, timeouts) for address in addresses]
+        self.links = [Link(runner, address, timeouts, keys) for address in addresses]
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -163,8 +287,7 @@ class Pool:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for link in self.links:
-            if link.transport is not None:
-                link.transport.close()
+            link.close()
 
     @property
     def ready(self) -> bool:

@@ -34,7 +34,7 @@ from batchserve.runner.latency_model import Timing
 from batchserve.runner.metrics import RunnerMetrics
 from batchserve.runner.models import Model
 from batchserve.runner.policy import Batch, Policy, Request
-from batchserve.runner.types import Tensors
+from batchserve.runner.types import BYTES, Tensors
 from batchserve.runner.wire import FailureCode
 
 log = logging.getLogger(__name__)
@@ -107,17 +107,38 @@ def _pin_threads(threads: int) -> None:
 
 
 def synthetic_inputs(runner: RunnerConfig, rows: int, seed: int = 0) -> Tensors:
-    """Rows shaped like the declared inputs, for timing the model before it serves."""
+    """Rows shaped like the declared inputs, for timing the model before it serves.
+
+    Floats are random, other numbers zero, BYTES rows lowercase ASCII words (valid UTF-8).
+    A non-batchable input gets one empty value (zeros, or b"" for BYTES), the neutral
+    choice for a parameter: the model should read it as its default.
+    """
     generator = np.random.default_rng(seed)
     dim = runner.batch_dim[0]
     tensors: Tensors = {}
     for spec in runner.inputs:
+        if not spec.batchable:
+            shape = [max(d, 1) for d in spec.shape]
+            tensors[spec.name] = np.full(shape, b"", object) if spec.dtype == BYTES else (
+                np.zeros(shape, dtype=spec.dtype))
+            continue
         shape = [rows if i == dim else max(d, 1) for i, d in enumerate(spec.shape)]
         if spec.dtype.kind == "f":
             tensors[spec.name] = generator.standard_normal(shape).astype(spec.dtype)
+        elif spec.dtype == BYTES:
+            tensors[spec.name] = _words(generator, shape)
         else:
             tensors[spec.name] = np.zeros(shape, dtype=spec.dtype)
     return tensors
+
+
+def _words(generator: np.random.Generator, shape: list[int]) -> np.ndarray:
+    """BYTES elements of 4 to 32 lowercase letters."""
+    words = np.empty(shape, object)
+    for index in np.ndindex(*shape):
+        letters = generator.integers(ord("a"), ord("z") + 1, generator.integers(4, 33))
+        words[index] = letters.astype(np.uint8).tobytes()
+    return words
 
 
 class Dispatcher:
@@ -178,7 +199,7 @@ class Dispatcher:
 
     def _time(self, rows: int, tensors: Tensors) -> Timing:
         started, cpu = self.clock(), self.cpu_clock()
-        self.model(tensors)
+        self.model(batching.join([tensors], self.runner.batch_dim[0], self.runner.unbatched))
         return Timing(rows, self.clock() - started, self.cpu_clock() - cpu)
 
     @property
@@ -218,15 +239,18 @@ class Dispatcher:
             self._reply(reply, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
             return
         now = self.clock()
-        limit_s = min(budget_s, self.max_latency_s)
-        deadline = now + limit_s
-        if self._least_time_s(rows) > limit_s:
-            self._reply(reply, self._too_large(rows, limit_s))
+        deadline = now + min(budget_s, self.max_latency_s)
+        # Judged against the runner's own limit, not what is left of it: time lost on the way
+        # here is a passing delay, and a request that fits an idle model may run later.
+        if self._least_time_s(rows) > self.max_latency_s:
+            self._reply(reply, self._too_large(rows))
             return
         if rows <= self.max_batch_size:
             self._offer(_Job(tensors, reply, started=started), rows, now, deadline)
             return
-        pieces = batching.chunk(tensors, rows, self.runner.batch_dim[0], self.max_batch_size)
+        pieces = batching.chunk(
+            tensors, rows, self.runner.batch_dim[0], self.max_batch_size, self.runner.unbatched
+        )
         whole = _Whole(reply, [None] * len(pieces), len(pieces))
         for index, (piece, size) in enumerate(pieces):
             self._offer(_Job(piece, reply, whole, index, started), size, now, deadline)
@@ -237,19 +261,18 @@ class Dispatcher:
         idle_time_s = self.policy.idle_time_s
         return full * idle_time_s(self.max_batch_size) + (idle_time_s(rest) if rest else 0.0)
 
-    def _too_large(self, rows: int, limit_s: float) -> Rejection:
+    def _too_large(self, rows: int) -> Rejection:
         """Why a request that no wait can help is refused, with the most rows that fit."""
         low, high = 0, rows  # the most rows that fit lies in [low, high)
         while high - low > 1:
             middle = (low + high) // 2
-            low, high = (middle, high) if self._least_time_s(middle) <= limit_s else (low, middle)
-        advice = (f"send at most {low} rows a request" if low else
-                  "no request fits: raise max_latency_ms, or the request's timeout")
+            fits = self._least_time_s(middle) <= self.max_latency_s
+            low, high = (middle, high) if fits else (low, middle)
+        advice = f"send at most {low} rows a request" if low else "raise max_latency_ms"
         return Rejection(FailureCode.TOO_LARGE, (
             f"{rows} rows need {self._least_time_s(rows) * 1000:.1f} ms on runner "
-            f"{self.runner.name!r} even when it is idle, by its current cost model, over the "
-            f"{limit_s * 1000:.1f} ms they may take (its max_latency_ms is "
-            f"{self.runner.batching.max_latency_ms:g}); {advice}"
+            f"{self.runner.name!r} even when it is idle, by its current cost model, over its "
+            f"max_latency_ms of {self.runner.batching.max_latency_ms:g}; {advice}"
         ))
 
     def _offer(self, job: _Job, rows: int, now: float, deadline: float) -> None:
@@ -359,7 +382,7 @@ class Dispatcher:
         requests that make it fail stand alone, so only they fail (a poison request)."""
         in_dim, out_dim = self.runner.batch_dim
         try:
-            outputs = self.model(batching.concatenate(parts, in_dim))
+            outputs = self.model(batching.join(parts, in_dim, self.runner.unbatched))
             return list(batching.split(outputs, sizes, out_dim))
         except Exception as exc:
             if len(parts) > 1:

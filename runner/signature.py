@@ -8,7 +8,9 @@ words, wherever it is checked. A disagreement raises `SignatureError`, whose mes
 input and what was expected; the API answers it with a 400, a runner with an INVALID failure.
 
 The row count of a call (its length along the input batch dimension) is counted here once,
-by `Signature.rows`, and travels with the call from then on.
+by `Signature.rows`, and travels with the call from then on. Inputs declared `batchable: false`
+have no batch dimension: they are checked like any other input but do not count rows. A BYTES
+input is a numpy object array whose every element is `bytes`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from batchserve.runner.config import RunnerConfig, TensorSpec
-from batchserve.runner.types import DATATYPES
+from batchserve.runner.types import BYTES, DATATYPES
 
 __all__ = ["Signature", "SignatureError", "fits", "shape_text", "show"]
 
@@ -58,14 +60,16 @@ def fits(shape: tuple[int, ...] | list[int], pattern: tuple[int, ...]) -> bool:
 
 
 class Signature:
-    """The inputs a runner's model takes, by name, and the dimension they are batched on."""
+    """The inputs a runner's model takes, by name, the dimension they are batched on, and
+    those that are not batched (`batchable: false`)."""
 
-    __slots__ = ("model", "specs", "batch_dim")
+    __slots__ = ("model", "specs", "batch_dim", "unbatched")
 
     def __init__(self, runner: RunnerConfig) -> None:
         self.model = runner.name
         self.specs = {spec.name: spec for spec in runner.inputs}
         self.batch_dim = runner.batch_dim[0]
+        self.unbatched = runner.unbatched
 
     def spec(self, name: str) -> TensorSpec:
         """The input called `name`, or the error that names the inputs there are."""
@@ -83,10 +87,7 @@ class Signature:
         if datatype == spec.datatype:
             return
         shown = datatype if isinstance(datatype, str) else show(datatype)
-        note = " (BYTES tensors are not supported)" if datatype == "BYTES" else ""
-        raise SignatureError(
-            f"input {spec.name!r} has datatype {shown}; expected {spec.datatype}{note}"
-        )
+        raise SignatureError(f"input {spec.name!r} has datatype {shown}; expected {spec.datatype}")
 
     @staticmethod
     def check_shape(spec: TensorSpec, shape: Any) -> tuple[int, ...]:
@@ -100,6 +101,18 @@ class Signature:
         if not fits(shape, spec.shape):
             _bad_shape(spec, shape)
         return tuple(shape)
+
+    @staticmethod
+    def check_bytes(spec: TensorSpec, array: np.ndarray) -> None:
+        """A BYTES array holds `bytes` and nothing else (an object array could hold anything)."""
+        if spec.dtype != BYTES:
+            return
+        for item in array.flat:
+            if type(item) is not bytes:
+                raise SignatureError(
+                    f"input {spec.name!r} holds a {type(item).__name__} element; expected "
+                    "bytes in every element of a BYTES tensor"
+                )
 
     def check_finite(self, spec: TensorSpec, array: np.ndarray) -> None:
         if spec.finite and not np.isfinite(array).all():
@@ -119,10 +132,12 @@ class Signature:
         )
 
     def rows(self, tensors: Mapping[str, np.ndarray]) -> int:
-        """The batch size all inputs share along the batch dimension: at least 1."""
-        dim = self.batch_dim
+        """The batch size all batchable inputs share along the batch dimension: at least 1."""
+        dim, unbatched = self.batch_dim, self.unbatched
         first, rows = "", -1
         for name, array in tensors.items():
+            if name in unbatched:
+                continue
             count = array.shape[dim]
             if count == 0:
                 raise SignatureError(
@@ -143,6 +158,7 @@ class Signature:
             spec = self.spec(name)
             self.check_datatype(spec, _DATATYPE_NAMES.get(array.dtype, str(array.dtype)))
             self.check_shape(spec, array.shape)
+            self.check_bytes(spec, array)
             self.check_finite(spec, array)
         self.check_complete(tensors.keys())
         counted = self.rows(tensors)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from batchserve.runner.types import PerRequest
+
 
 def pid_echo(x: np.ndarray) -> dict[str, np.ndarray]:
     """Echoes its input and tells which runner process served each row."""
@@ -63,3 +65,14 @@ def gated_echo(x: np.ndarray) -> np.ndarray:
         while not gate.exists():
             time.sleep(0.01)
     return x
+
+
+def tagged_batch(text: np.ndarray, tag: PerRequest) -> dict[str, np.ndarray]:
+    """Tells each row its own request's `tag` (a non-batchable BYTES input, one item per
+    request) and how many requests shared its batch; holds each batch 50 ms so that
+    concurrent requests queue up behind it and batch together."""
+    time.sleep(0.05)
+    if not isinstance(tag, PerRequest) or len(tag) != len(tag.rows):
+        raise TypeError(f"tag came as {type(tag).__name__}, not one item per request")
+    tags = np.array([bytes(item[0]) for item in tag.per_row()] or [], dtype=object)
+    return {"tag": tags, "requests": np.full(len(text), len(tag), np.int64), "echo": text}

@@ -267,3 +267,24 @@ async def test_a_poison_request_fails_alone_and_the_rest_of_its_batch_is_served(
             assert not isinstance(answer, Rejection), answer
             np.testing.assert_array_equal(answer["y"], rows(1, 10 * i) * 2)
     assert not isinstance(await ask(d, rows(2)), Rejection)  # and the runner serves on
+
+
+class TenthOfASecondARow(GreedyPolicy):
+    """A greedy policy whose cost curve says each row takes 0.1 s on an idle model."""
+
+    def idle_time_s(self, rows: int) -> float:
+        return 0.1 * rows
+
+
+async def test_too_large_is_judged_against_the_runners_own_limit_not_the_budget_left() -> None:
+    """5 rows need 0.5 s: over a 0.2 s budget but within max_latency_ms 1000, so they are
+    queued; 20 rows need 2 s, which no idle model meets: a 413's TOO_LARGE with advice."""
+    d = dispatcher(Gate(), TenthOfASecondARow(4))
+    await d.start()
+    fits = await ask(d, rows(5), budget=0.2)
+    assert not isinstance(fits, Rejection) or fits.code != FailureCode.TOO_LARGE, fits
+    refused = await ask(d, rows(20), budget=10.0)
+    assert isinstance(refused, Rejection) and refused.code == FailureCode.TOO_LARGE
+    assert refused.message.endswith(
+        "over its max_latency_ms of 1000; send at most 10 rows a request"
+    ), refused.message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,17 @@ FINITE = Signature(RunnerConfig(
     inputs=(TensorSpec("x", "FP64", (2, -1), finite=True),),
     outputs=(TensorSpec("y", "FP64", (2, -1)),),
     batch_dim=(1, 1),
+))
+
+TEXT = Signature(RunnerConfig(
+    name="text",
+    model="models:text",
+    inputs=(
+        TensorSpec("text", "BYTES", (-1,)),
+        TensorSpec("mode", "BYTES", (1,), batchable=False),
+        TensorSpec("scale", "FP32", (3,), batchable=False),
+    ),
+    outputs=(TensorSpec("y", "BYTES", (-1,)),),
 ))
 
 
@@ -103,7 +115,7 @@ def test_an_input_that_takes_finite_values_only_refuses_nan_and_infinity(value: 
     [
         ("FP64", "input 'a' has datatype FP64; expected FP32"),
         (None, "input 'a' has datatype None; expected FP32"),
-        ("BYTES", "input 'a' has datatype BYTES; expected FP32 (BYTES tensors are not supported)"),
+        ("BYTES", "input 'a' has datatype BYTES; expected FP32"),
         (["FP32"], "input 'a' has datatype ['FP32']; expected FP32"),
     ],
 )
@@ -158,9 +170,11 @@ async def test_a_runner_refuses_a_call_that_disagrees_with_its_signature(tmp_pat
     d = dispatcher(Gate())
     await d.start()
     address = Address.parse(f"unix:{tmp_path / 'runner.sock'}")
-    server = await address.serve(lambda: Connection(RUNNER, Signature(RUNNER), d, set()))
+    server = await address.serve(lambda: Connection(RUNNER, d, set()))
     link = Link(RUNNER.name, address)
     await address.connect(lambda: link)
+    async with asyncio.timeout(30):  # the handshake comes first
+        await link.greeted.wait()
     try:
         x = np.ones((2, 2), np.float32)
         answers = [
@@ -182,3 +196,34 @@ async def test_a_runner_refuses_a_call_that_disagrees_with_its_signature(tmp_pat
     ]
     assert isinstance(answers[3], Result)
     np.testing.assert_array_equal(answers[3].tensors["y"], x * 2)
+
+
+def texts(rows: int, **changes: np.ndarray) -> dict[str, np.ndarray]:
+    return {"text": np.array([b"x"] * rows, object), "mode": np.array([b"m"], object),
+            "scale": np.ones(3, np.float32), **changes}
+
+
+def test_non_batchable_inputs_have_no_batch_dimension_and_do_not_count_rows() -> None:
+    TEXT.check(texts(5), 5)
+    assert TEXT.rows(texts(5)) == 5
+    assert TEXT.rows(texts(1)) == 1  # "scale" has 3 elements, but it is not batched
+
+
+@pytest.mark.parametrize(
+    ("tensors", "rows", "message"),
+    [
+        (texts(2), 3, "the call says it has 3 rows, but its inputs have 2 (dimension 0)"),
+        (texts(2, mode=np.array([b"a", b"b"], object)), 2,
+         "input 'mode' has shape [2]; expected [1]"),
+        (texts(2, text=np.array(["a", "b"], object)), 2,
+         "input 'text' holds a str element; expected bytes in every element of a BYTES tensor"),
+        (texts(2, text=np.array([b"a", b"b"])), 2,
+         f"input 'text' has datatype {np.dtype('S1')}; expected BYTES"),
+        (texts(2, scale=np.ones(3, object)), 2, "input 'scale' has datatype BYTES; expected FP32"),
+    ],
+)
+def test_bytes_and_non_batchable_inputs_are_checked_like_any_other(
+    tensors: dict[str, np.ndarray], rows: int, message: str
+) -> None:
+    with refused(message):
+        TEXT.check(tensors, rows)
