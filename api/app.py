@@ -230,7 +230,7 @@ class Service:
         reserve = self.reserves[runner.name]
         sent = time.monotonic()
         budget = limit - (sent - arrived) - reserve.seconds(limit)
-        outputs = await self._call(runner.name, call.inputs, budget)
+        outputs = await self._call(runner.name, call.inputs, call.rows, budget)
         encoded = protocol.encode_infer(runner.name, call, outputs, runner)
         reserve.observe(time.monotonic() - (sent + budget))
         return encoded
@@ -253,7 +253,7 @@ class Service:
                 return chunk if not chunks else b"".join([*chunks, chunk])
             chunks.append(chunk)
 
-    async def _call(self, runner: str, inputs: Tensors, budget: float) -> Tensors:
+    async def _call(self, runner: str, inputs: Tensors, rows: int, budget: float) -> Tensors:
         if budget <= 0:
             raise Unavailable(
                 f"the request's deadline passed before it reached {runner!r}", reason="late"
@@ -264,7 +264,7 @@ class Service:
             # is in a batch; the slack only bounds a runner process that hangs as a whole.
             limit = self.config.runners[runner].batch_timeout_s
             async with asyncio.timeout(budget + limit + self.config.timeouts.call_slack_s):
-                return await self.pools[runner].infer(inputs, budget)
+                return await self.pools[runner].infer(inputs, rows, budget)
         except RunnerFailure as failure:
             raise _failure_error(runner, failure) from None
         except TimeoutError:

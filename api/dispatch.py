@@ -364,20 +364,22 @@ class Pool:
             raise Unavailable(f"no process of runner {self.runner!r} is reachable")
         return links[0] if len(links) == 1 else random.choice(links)
 
-    async def infer(self, tensors: Tensors, budget_s: float) -> Tensors:
-        """Call a process; if it goes away before running the call, once more on another
-        while the budget lasts (a call that had started is never run twice)."""
+    async def infer(self, tensors: Tensors, rows: int, budget_s: float) -> Tensors:
+        """Call a process with `tensors` of `rows` rows, checked against the signature; if it
+        goes away before running the call, once more on another while the budget lasts (a
+        call that had started is never run twice)."""
         link = self.pick()
         sent = time.monotonic()
         try:
-            message = await link.call(lambda ident: Call(ident, budget_s, tensors))
+            message = await link.call(lambda ident: Call(ident, budget_s, rows, tensors))
         except NotStarted:
             left = budget_s - (time.monotonic() - sent)
             if left <= 0 or not any(o.connected and o is not link for o in self.links):
                 raise
             log.info("runner %s: a call not started on %s goes to another process",
                      self.runner, link.address)
-            message = await self.pick(besides=link).call(lambda ident: Call(ident, left, tensors))
+            message = await self.pick(besides=link).call(
+                lambda ident: Call(ident, left, rows, tensors))
         if isinstance(message, Result):
             return message.tensors
         if isinstance(message, Failure):

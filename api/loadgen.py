@@ -1,4 +1,4 @@
-"""Open-loop load generator for the HTTP request path (issue 2, point 8).
+"""Open-loop load generator for the HTTP request path.
 
 Why open loop: a closed-loop client sends its next request only after the last answer, so a
 stalled server also stalls the client and the stall never shows up in the latencies

@@ -1,10 +1,12 @@
 """Open Inference Protocol v2 (KServe / Triton REST) codec: request bodies in, response bodies out.
 
 This module owns the request and response documents: their framing, their fields and parameters,
-which inputs and outputs the runner's signature allows, and the metadata endpoints. What one tensor
-holds (its datatype, shape and data) is read and checked by `batchserve.api.tensors`. Decoding is
-strict: every way a request can disagree with the runner's signature is a `BadRequest` that names
-the input and what was expected. Outputs are written by orjson or appended as raw bytes.
+which outputs the runner's signature allows, and the metadata endpoints. Inputs are checked
+against the signature by `batchserve.runner.signature`, the very check a runner makes of every
+call it receives; what one tensor's data holds is read and checked by `batchserve.api.tensors`.
+Decoding is strict: every way a request can disagree with the runner's signature is a
+`BadRequest` that names the input and what was expected. Outputs are written by orjson or appended
+as raw bytes.
 
 The binary tensor data extension (what `tritonclient.http` sends with `binary_data=True`): the
 HTTP header `Inference-Header-Content-Length: N` says the first N bytes of the body are the JSON
@@ -34,17 +36,15 @@ from batchserve.api.tensors import (
     HEADER_LENGTH,
     MISSING,
     BinaryData,
-    check_datatype,
-    check_shape,
     from_binary,
     from_json,
     output_array,
     output_data,
     output_json,
-    shape_text,
     show,
 )
 from batchserve.runner.config import RunnerConfig, TensorSpec
+from batchserve.runner.signature import Signature, SignatureError
 
 __all__ = [
     "BINARY_TYPE",
@@ -76,7 +76,8 @@ class RequestedOutput:
 
 @dataclass(frozen=True, slots=True)
 class InferRequest:
-    """A decoded, validated inference request; `inputs` follow the signature's order."""
+    """A decoded, validated inference request; `inputs` follow the signature's order and
+    share `rows` along the input batch dimension."""
 
     id: str | None
     inputs: dict[str, np.ndarray]
@@ -90,7 +91,7 @@ class InferRequest:
 
 @dataclass(frozen=True, slots=True)
 class _Signature:
-    inputs: dict[str, TensorSpec]
+    inputs: Signature
     outputs: dict[str, TensorSpec]
     requested: dict[tuple[str, bool], RequestedOutput]
     all_outputs: dict[bool, tuple[RequestedOutput, ...]]
@@ -120,7 +121,7 @@ class _Signature:
             },
         }
         return cls(
-            inputs={spec.name: spec for spec in runner.inputs},
+            inputs=Signature(runner),
             outputs={spec.name: spec for spec in runner.outputs},
             requested={
                 (spec.name, flag): RequestedOutput(spec.name, flag)
@@ -229,17 +230,12 @@ def _split(body: bytes, header_length: int | None) -> tuple[Any, BinaryData | No
 
 
 def _decode_input(
-    item: Any, index: int, signature: _Signature, runner: RunnerConfig, binary: BinaryData | None
+    item: Any, index: int, inputs: Signature, binary: BinaryData | None
 ) -> tuple[str, np.ndarray]:
     name = _name(item, "inputs[{}]", index)
-    spec = signature.inputs.get(name)
-    if spec is None:
-        raise BadRequest(
-            f"input {name!r} is not an input of model {runner.name!r}; expected one of: "
-            + ", ".join(signature.inputs)
-        )
-    check_datatype(spec, item.get("datatype"))
-    shape = check_shape(spec, item.get("shape"))
+    spec = inputs.spec(name)
+    inputs.check_datatype(spec, item.get("datatype"))
+    shape = inputs.check_shape(spec, item.get("shape"))
     params = _object(item.get("parameters"), "input {!r} parameters", name)
     if "shared_memory_region" in params:
         raise BadRequest(f"input {name!r} uses shared memory, which batchserve does not support")
@@ -252,15 +248,12 @@ def _decode_input(
         )
     else:
         array = from_binary(spec, shape, size, binary)
-    if spec.finite and not np.isfinite(array).all():
-        raise BadRequest(
-            f"input {name!r} holds NaN or infinity; model {runner.name!r} takes finite values only"
-        )
+    inputs.check_finite(spec, array)
     return name, array
 
 
 def _decode_inputs(
-    value: Any, signature: _Signature, runner: RunnerConfig, binary: BinaryData | None
+    value: Any, inputs: Signature, binary: BinaryData | None
 ) -> dict[str, np.ndarray]:
     if not isinstance(value, list) or not value:
         raise BadRequest(
@@ -269,39 +262,15 @@ def _decode_inputs(
         )
     given: dict[str, np.ndarray] = {}
     for index, item in enumerate(value):
-        name, array = _decode_input(item, index, signature, runner, binary)
+        name, array = _decode_input(item, index, inputs, binary)
         if name in given:
             raise BadRequest(f"input {name!r} is given twice; expected it once")
         given[name] = array
     if binary is not None:
         binary.check_used()
-    if len(given) != len(signature.inputs):
-        missing = next(spec for spec in runner.inputs if spec.name not in given)
-        raise BadRequest(
-            f"input {missing.name!r} is missing; model {runner.name!r} needs it as "
-            f"{missing.datatype} with shape {shape_text(missing.shape)}"
-        )
+    inputs.check_complete(given)
     # The signature's order, so the runner can frame and concatenate without looking names up.
-    return {name: given[name] for name in signature.inputs}
-
-
-def _rows(inputs: dict[str, np.ndarray], runner: RunnerConfig) -> int:
-    dim, unbatched = runner.batch_dim[0], runner.unbatched
-    first, rows = "", -1
-    for name, array in inputs.items():
-        if name in unbatched:
-            continue
-        count = array.shape[dim]
-        if count == 0:
-            raise BadRequest(f"input {name!r} has 0 rows (dimension {dim}); expected at least 1")
-        if rows == -1:
-            first, rows = name, count
-        elif count != rows:
-            raise BadRequest(
-                f"input {name!r} has {count} rows (dimension {dim}) but input {first!r} has "
-                f"{rows}; expected the same batch size for all inputs"
-            )
-    return rows
+    return {name: given[name] for name in inputs.specs}
 
 
 def _decode_outputs(
@@ -342,7 +311,15 @@ def _load(header: Any, binary: BinaryData | None) -> Any:
 
 def decode_infer(body: bytes, header_length: int | None, runner: RunnerConfig) -> InferRequest:
     """Parse and validate a v2 infer request body against the runner's signature."""
-    signature = _signature(runner)
+    try:
+        return _decode_infer(body, header_length, _signature(runner), runner)
+    except SignatureError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def _decode_infer(
+    body: bytes, header_length: int | None, signature: _Signature, runner: RunnerConfig
+) -> InferRequest:
     header, binary = _split(body, header_length)
     document = _load(header, binary)
     if not isinstance(document, dict):
@@ -351,14 +328,14 @@ def decode_infer(body: bytes, header_length: int | None, runner: RunnerConfig) -
             "{inputs, outputs?, id?, parameters?}"
         )
     params = _object(document.get("parameters"), "parameters")
-    inputs = _decode_inputs(document.get("inputs"), signature, runner, binary)
+    inputs = _decode_inputs(document.get("inputs"), signature.inputs, binary)
     binary_default = _flag(params, "binary_data_output", False, "parameters")
     return InferRequest(
         id=_request_id(document.get("id")),
         inputs=inputs,
         outputs=_decode_outputs(document.get("outputs"), binary_default, signature, runner),
         timeout_s=_timeout(params),
-        rows=_rows(inputs, runner),
+        rows=signature.inputs.rows(inputs),
     )
 
 

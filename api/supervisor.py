@@ -307,7 +307,7 @@ class Supervisor:
 
     def _forget_gauges(self, child: Child) -> None:
         """Drop a dead child's live gauges at once, not after its restart pause: a scrape
-        must not show a dead runner's last state (issue 10). Its counters stay counted."""
+        must not show a dead runner's last state. Its counters stay counted."""
         if self.metrics_dir is not None and child.process is not None:
             multiprocess.mark_process_dead(child.process.pid, str(self.metrics_dir))
 

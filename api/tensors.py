@@ -1,12 +1,13 @@
-"""One v2 tensor against its `TensorSpec`: declared datatype and shape, data in, output out.
+"""One v2 tensor's data against its `TensorSpec`: data in, output out.
 
 Why a module of its own: `batchserve.api.protocol` reads the request document (its fields,
-parameters and framing); this reads what a single tensor holds, which is where the cost and the
-subtle checks are. Tensor data never passes through a per-element Python loop: JSON lists go through
-`np.asarray`, binary tensors become `np.frombuffer` views into the request body (zero copy,
-read-only), and every value must fit the input's datatype in kind and range; a disagreement is a
-`BadRequest` that names the input and what was expected. A model output that disagrees with its
-signature is the server's bug, a `BatchserveError`.
+parameters and framing) and checks each input's declared name, datatype and shape with the
+runner's `batchserve.runner.signature.Signature`; this reads what a single tensor holds, which
+is where the cost and the subtle checks are. Tensor data never passes through a per-element
+Python loop: JSON lists go through `np.asarray`, binary tensors become `np.frombuffer` views into
+the request body (zero copy, read-only), and every value must fit the input's datatype in kind
+and range; a disagreement is a `BadRequest` that names the input and what was expected. A model
+output that disagrees with its signature is the server's bug, a `BatchserveError`.
 
 BYTES tensors are the exception to the no-loop rule, since each element is a string of its own
 length: in JSON their data are strings (sent as UTF-8), in binary each element is a 4-byte
@@ -18,20 +19,19 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 import numpy as np
 
 from batchserve.api.errors import BadRequest, BatchserveError
 from batchserve.runner.config import TensorSpec
+from batchserve.runner.signature import fits, shape_text, show
 from batchserve.runner.types import BYTES, DATATYPES
 
 __all__ = [
     "HEADER_LENGTH",
     "MISSING",
     "BinaryData",
-    "check_datatype",
-    "check_shape",
     "from_binary",
     "from_json",
     "output_array",
@@ -52,57 +52,6 @@ _ACCEPTED_KINDS = {"f": "fiu", "i": "iu", "u": "iu", "b": "b"}
 _KIND_WORDS = {"f": "numbers", "i": "integers", "u": "integers", "b": "booleans (true/false)"}
 # A BYTES element's length prefix in binary data.
 _LENGTH: Final = struct.Struct("<I")
-
-
-# --- error messages -----------------------------------------------------------------------------
-
-
-def show(value: Any) -> str:
-    """A value quoted for an error message, cut short: it may be a whole tensor."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def shape_text(shape: tuple[int, ...] | list[int]) -> str:
-    return "[" + ", ".join(map(str, shape)) + "]"
-
-
-# --- declared datatype and shape ----------------------------------------------------------------
-
-
-def _fits(shape: tuple[int, ...] | list[int], pattern: tuple[int, ...]) -> bool:
-    """Whether `shape` matches a signature shape, where -1 matches any size."""
-    # Plain loops here: the all()/any() generator form costs a microsecond per request.
-    if len(shape) != len(pattern):
-        return False
-    for got, want in zip(shape, pattern, strict=True):
-        if want != got and want != -1:
-            return False
-    return True
-
-
-def check_shape(spec: TensorSpec, value: Any) -> tuple[int, ...]:
-    if type(value) is not list:
-        _bad_shape(spec, value)
-    for dim in value:
-        if type(dim) is not int or dim < 0:
-            _bad_shape(spec, value)
-    if not _fits(value, spec.shape):
-        _bad_shape(spec, value)
-    return tuple(value)
-
-
-def _bad_shape(spec: TensorSpec, value: Any) -> NoReturn:
-    plain = isinstance(value, list) and all(type(dim) is int for dim in value)
-    shape = shape_text(value) if plain else show(value)
-    raise BadRequest(f"input {spec.name!r} has shape {shape}; expected {shape_text(spec.shape)}")
-
-
-def check_datatype(spec: TensorSpec, value: Any) -> None:
-    if value == spec.datatype:
-        return
-    shown = value if isinstance(value, str) else show(value)
-    raise BadRequest(f"input {spec.name!r} has datatype {shown}; expected {spec.datatype}")
 
 
 # --- binary tensor data -------------------------------------------------------------------------
@@ -342,7 +291,7 @@ def output_array(
             )
         array = array.astype(spec.dtype)
     shape = array.shape
-    if not _fits(shape, spec.shape) or shape[dim] != rows:
+    if not fits(shape, spec.shape) or shape[dim] != rows:
         raise BatchserveError(
             f"model {model!r} returned output {spec.name!r} with shape {shape_text(shape)}; "
             f"expected {shape_text(spec.shape)} with {rows} rows in dimension {dim}"

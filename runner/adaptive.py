@@ -1,7 +1,7 @@
 """The adaptive batching policy: the product the baselines are measured against.
 
 Deadline-aware admission, a bounded hold under load and a closed-form cap, all driven by the latency
-model in `batchserve.runner.latency_model` (issue #3, docs/dispatcher.md). It honours the contract
+model in `batchserve.runner.latency_model` (docs/dispatcher.md). It honours the contract
 in `batchserve.runner.policy` and is built by name through
 `batchserve.runner.policies.make_policy("adaptive", ...)`.
 """
@@ -36,7 +36,7 @@ normal part still adds in quadrature (docs/dispatcher.md, "The tail")."""
 
 
 class AdaptivePolicy:
-    """Deadline-aware adaptive batching driven by a latency model (issue #3, docs/dispatcher.md).
+    """Deadline-aware adaptive batching driven by a latency model (docs/dispatcher.md).
 
     - admits a request only if its predicted high-quantile completion meets its deadline;
     - releases at once unless fewer rows are queued than arrive during one batch intercept
@@ -213,18 +213,18 @@ class AdaptivePolicy:
         if self._running is None and not self._queue:
             self._probe = request.id
             return now + self._fit.cost(request.rows) <= request.deadline
-        if self.promise(request.rows, now) <= request.deadline:
+        if self.promised_finish(request.rows, now) <= request.deadline:
             return True
         return self._stretch_next(request, now)
 
-    def promise(self, rows: int, now: float) -> float:
+    def promised_finish(self, rows: int, now: float) -> float:
         """Predicted (high-quantile) completion of `rows` joining the back of the queue now.
 
         O(1): the queue ahead is served in batches of the current cap (the next one may have
         been promised more rows, see `_stretch_next`), and the request's own batch also takes
         the rows that will arrive before it starts (FIFO: they join it).
         """
-        b, a = self._mean_b, self._mean_a
+        intercept_s, slope_s = self._mean_intercept_s, self._mean_slope_s
         start, running_s = self._next_start(now)
         sums = _Sums(running_s)
         cap = self.cap
@@ -233,23 +233,23 @@ class AdaptivePolicy:
         if total <= first:
             ahead, rest, room = 0.0, total, first
         else:
-            first_s = b + a * first
+            first_s = intercept_s + slope_s * first
             full, rest = divmod(total - first, cap)
             if rest == 0:
                 full, rest = full - 1, cap
-            batch_s = b + a * cap
+            batch_s = intercept_s + slope_s * cap
             ahead = first_s + full * batch_s
             sums.add(first_s)
             sums.add(batch_s, full)
             room = cap
         rate = max(self._admitted_rate.rate(now), self._admitted_now.rate(now))
         joining = rate * (start + ahead - now)
-        own_s = b + a * min(room, rest + joining)
+        own_s = intercept_s + slope_s * min(room, rest + joining)
         sums.add(own_s)
         return start + ahead + own_s + self._reserve(sums)
 
     def _reserve(self, sums: _Sums) -> float:
-        """The high-quantile reserve over batches with these means (issue #7).
+        """The high-quantile reserve over batches with these means.
 
         Noise within the normal spread is independent from batch to batch and adds in
         quadrature. The heavy tail beyond it (contention, measured as the stretches' own 99th
@@ -287,7 +287,7 @@ class AdaptivePolicy:
         if rows <= max(self.cap, self._next_rows) or rows > self.max_batch_size:
             return False
         start, running_s = self._next_start(now)
-        batch_s = self._mean_b + self._mean_a * rows
+        batch_s = self._mean_intercept_s + self._mean_slope_s * rows
         sums = _Sums(running_s)
         sums.add(batch_s)
         finish = start + batch_s + self._reserve(sums)
@@ -300,10 +300,10 @@ class AdaptivePolicy:
     def _use(self, fit: Fit) -> None:
         self.model.fit = fit
         self._fit = fit
-        self._high_b = fit.intercept_s * fit.factor
-        self._high_a = fit.slope_s * fit.factor
-        self._mean_b = fit.intercept_s
-        self._mean_a = fit.slope_s
+        self._high_intercept_s = fit.intercept_s * fit.factor
+        self._high_slope_s = fit.slope_s * fit.factor
+        self._mean_intercept_s = fit.intercept_s
+        self._mean_slope_s = fit.slope_s
         self._margin = fit.factor - 1.0
 
     def _retune(self, now: float) -> None:
@@ -311,7 +311,8 @@ class AdaptivePolicy:
         rows_rate = self._row_rate.rate(now)
         request_rate = self._request_rate.rate(now)
         self.cap = best_cap(
-            self._high_b, self._high_a, rows_rate, self.max_latency_s, self.max_batch_size
+            self._high_intercept_s, self._high_slope_s, rows_rate, self.max_latency_s,
+            self.max_batch_size,
         )
         intercept = self._fit.intercept_s
         self.target_rows = rows_rate * intercept
@@ -353,7 +354,8 @@ class AdaptivePolicy:
             return "idle", None
         window_end = self._queue[0].arrival + self.window_s
         size = min(self.cap, max(rows, math.ceil(self.target_rows)))
-        latest = min(r.deadline for r in self._queue) - (self._high_b + self._high_a * size)
+        high_s = self._high_intercept_s + self._high_slope_s * size
+        latest = min(r.deadline for r in self._queue) - high_s
         if now >= latest:
             return "deadline", None
         if now >= window_end:
@@ -419,20 +421,24 @@ class _Sums:
 def best_cap(
     intercept_s: float, slope_s: float, rows_per_s: float, max_latency_s: float, limit: int
 ) -> int:
-    """The batch size that maximises answers within the deadline, for a line `b + a*n`.
+    """The batch size that maximises answers within the deadline, for a batch time that is a
+    line, `intercept + slope * n`.
 
-    Rows arriving while a batch of n runs (rate * (b + a*n) of them) wait for it and then for
-    their own batch. While they can all be served, the cap is the largest n with
-    `(b + a*n) + (b + a*rate*(b + a*n)) <= L`. In overload, bigger batches serve more per second
-    but only requests arriving in the last `L - (b + a*n)` seconds of a batch make the next
-    one, which fills it when `n = rate * (L - b - a*n)`. The larger of the two, in [1, limit].
+    Rows arriving while a batch of n runs (rate * (intercept + slope * n) of them) wait for it
+    and then for their own batch. While they can all be served, the cap is the largest n with
+    `(intercept + slope * n) + (intercept + slope * rate * (intercept + slope * n)) <= L`. In
+    overload, bigger batches serve more per second but only requests arriving in the last
+    `L - (intercept + slope * n)` seconds of a batch make the next one, which fills it when
+    `n = rate * (L - intercept - slope * n)`. The larger of the two, in [1, limit].
     Derivation in docs/dispatcher.md.
     """
-    b, a, rate, latency = intercept_s, slope_s, rows_per_s, max_latency_s
-    if a > 0.0:
-        keep_up = (latency - 2.0 * b - a * rate * b) / (a * (1.0 + a * rate))
+    rate, latency = rows_per_s, max_latency_s
+    if slope_s > 0.0:
+        keep_up = (latency - 2.0 * intercept_s - slope_s * rate * intercept_s) / (
+            slope_s * (1.0 + slope_s * rate)
+        )
     else:
         keep_up = float(limit)
-    overload = rate * (latency - b) / (1.0 + rate * a)
+    overload = rate * (latency - intercept_s) / (1.0 + rate * slope_s)
     best = max(keep_up, overload, 1.0)
     return limit if best >= limit else int(best)

@@ -1,10 +1,10 @@
-"""Baseline policies the adaptive one is measured against (issue #3, docs/dispatcher.md).
+"""Baseline policies the adaptive one is measured against (docs/dispatcher.md).
 
 - `FixedPolicy`: Triton-like; release when the cap is reached or the oldest request has waited
   the window. No early refusal, and late requests are still served.
 - `NoBatchingPolicy`: one request per batch, as soon as the model is free.
-- `BentoMLPolicy`: BentoML's dispatcher rule as read in its source and written down in
-  ../shared/REFERENCE.md, re-implemented here as an honest baseline.
+- `BentoMLPolicy`: BentoML's dispatcher rule as read in its source, re-implemented here as an
+  honest baseline.
 
 All honour the same contract as `batchserve.runner.adaptive.AdaptivePolicy`, so the simulator drives
 them the same way.
@@ -73,7 +73,15 @@ class FixedPolicy(WithoutModel):
         self.busy = False
 
     def stats(self, now: float) -> PolicyStats:
-        return PolicyStats(self.window_s, self.cap, 0.0, 0.0, 0.0, 0.0, len(self.queue))
+        return PolicyStats(
+            window_s=self.window_s,
+            cap=self.cap,
+            intercept_s=0.0,
+            slope_s=0.0,
+            p99_batch_s=0.0,
+            arrival_rps=0.0,
+            queued=len(self.queue),
+        )
 
 
 class NoBatchingPolicy(FixedPolicy):
@@ -91,18 +99,20 @@ WARMUP_TARGETS = (1, 2, 3)
 
 
 class BentoMLPolicy(WithoutModel):
-    """BentoML's adaptive dispatcher rule (REFERENCE.md, "Its rule, step by step").
+    """BentoML's adaptive dispatcher rule.
 
-    Counts jobs (requests), not rows, as BentoML does. One deviation: a request that does not
-    fit the remaining room of a batch is left for the next batch rather than split, since the
-    live runner splits oversized requests before they reach any policy.
+    It predicts a batch of n requests to take `slope_s * n + intercept_s`, fitted by least
+    squares over the last batches, and dispatches once waiting longer would not pay. Counts
+    jobs (requests), not rows, as BentoML does. One deviation: a request that does not fit the
+    remaining room of a batch is left for the next batch rather than split, since the live
+    runner splits oversized requests before they reach any policy.
     """
 
     def __init__(self, max_batch_size: int, max_latency_s: float) -> None:
         self.max_batch_size = max_batch_size
         self.latency = max_latency_s
-        self.a = min(2.0, 2.0 * max_latency_s / 30.0)
-        self.b = min(1.0, max_latency_s / 30.0)
+        self.slope_s = min(2.0, 2.0 * max_latency_s / 30.0)
+        self.intercept_s = min(1.0, max_latency_s / 30.0)
         self.mean_wait = 0.0
         self.queue: deque[Request] = deque()
         self.history: deque[tuple[int, float, float]] = deque(maxlen=HISTORY)
@@ -121,7 +131,7 @@ class BentoMLPolicy(WithoutModel):
         while queue:
             n = len(queue)
             w0 = now - queue[0].arrival
-            if n > 1 and w0 + self.a * n + self.b >= self.latency:
+            if n > 1 and w0 + self.slope_s * n + self.intercept_s >= self.latency:
                 expired.append(queue.popleft())
                 continue
             if self.busy:
@@ -145,10 +155,10 @@ class BentoMLPolicy(WithoutModel):
             # it go once it could not wait longer (not in BentoML's rule, but needed to end).
             target = WARMUP_TARGETS[warm]
             w0 = now - self.queue[0].arrival
-            ready = n >= target or w0 + self.a * target + self.b >= self.latency
+            ready = n >= target or w0 + self.slope_s * target + self.intercept_s >= self.latency
             return target if ready else None
         wn = now - self.queue[-1].arrival
-        if n < self.max_batch_size and n * (wn + TICK_S + self.a) <= 0.95 * self.mean_wait:
+        if n < self.max_batch_size and n * (wn + TICK_S + self.slope_s) <= 0.95 * self.mean_wait:
             return None
         return self.max_batch_size
 
@@ -194,12 +204,21 @@ class BentoMLPolicy(WithoutModel):
             intercept = mean_t - slope * mean_n
         else:
             # numpy's lstsq gives the minimum-norm solution when every n is equal: the time is
-            # split between slope and intercept in the ratio n : 1 (the failure in REFERENCE.md).
+            # split between slope and intercept in the ratio n : 1, whatever the true cost is:
+            # a weakness of the rule, kept so the baseline stays faithful.
             slope = mean_t * mean_n / (mean_n**2 + 1.0)
             intercept = mean_t / (mean_n**2 + 1.0)
-        self.a = max(1e-6, slope)
-        self.b = max(0.0, intercept)
+        self.slope_s = max(1e-6, slope)
+        self.intercept_s = max(0.0, intercept)
         self.mean_wait = sum(w for _, _, w in self.history) / count
 
     def stats(self, now: float) -> PolicyStats:
-        return PolicyStats(0.0, self.max_batch_size, self.b, self.a, 0.0, 0.0, len(self.queue))
+        return PolicyStats(
+            window_s=0.0,
+            cap=self.max_batch_size,
+            intercept_s=self.intercept_s,
+            slope_s=self.slope_s,
+            p99_batch_s=0.0,
+            arrival_rps=0.0,
+            queued=len(self.queue),
+        )

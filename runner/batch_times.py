@@ -2,7 +2,7 @@
 
 On the live server a batch's wall time holds its model thread's CPU time plus waits for a core
 and for the GIL, which are heavy-tailed, bursty and grow with the arrival rate, while its CPU
-time does not (issue #7). The simulator draws both, so the policy sees in `complete` what it
+time does not. The simulator draws both, so the policy sees in `complete` what it
 sees live: `cpu_s` is the cost, `finished - started` the wall time.
 
     cost  = (intercept + per_item * n) * lognormal(0, noise)   or a replayed batch's CPU time

@@ -58,14 +58,14 @@ def split(outputs: Tensors, sizes: Sequence[int], dim: int) -> list[Tensors]:
 
 
 def chunk(
-    tensors: Tensors, dim: int, size: int, unbatched: Collection[str] = ()
-) -> list[Tensors]:
-    """Cut a request larger than the batch cap into pieces of at most `size` rows (views);
-    every piece keeps the whole of each unbatched input."""
-    total = rows(tensors, dim, unbatched)
+    tensors: Tensors, rows: int, dim: int, size: int, unbatched: Collection[str] = ()
+) -> list[tuple[Tensors, int]]:
+    """Cut a request of `rows` rows into pieces of at most `size` rows (views), each with
+    its own row count; every piece keeps the whole of each unbatched input."""
     lead = (slice(None),) * dim
     return [
-        {name: array if name in unbatched else array[(*lead, slice(start, start + size))]
-         for name, array in tensors.items()}
-        for start in range(0, total, size)
+        ({name: array if name in unbatched else array[(*lead, slice(start, start + size))]
+          for name, array in tensors.items()},
+         min(size, rows - start))
+        for start in range(0, rows, size)
     ]

@@ -3,9 +3,9 @@
 The policy decides; this module only does what it says. Arrivals are offered to the policy
 and refused at once when it says so; whenever the model is free, a request arrives or a
 wake-up the policy asked for comes due, the policy is polled; a released batch is joined,
-run on the one model thread (off the event loop) and split back to each request. Requests
-larger than the cap are cut into pieces that batch like any other request and are joined
-again before the answer.
+run on the one model thread (off the event loop) and split back to each request. Requests of
+more than `max_batch_size` rows are cut into pieces that batch like any other request and are
+joined again before the answer.
 
 The gauges are republished every `RunnerMetrics.PUBLISH_S` on the event loop as well as after
 batches, so a scrape of an idle runner reads idle; a rejection is counted once per whole
@@ -160,7 +160,7 @@ class Dispatcher:
         self.clock = clock
         self.cpu_clock = cpu_clock
         self.max_latency_s = runner.batching.max_latency_ms / 1000
-        self.cap = runner.batching.max_batch_size
+        self.max_batch_size = runner.batching.max_batch_size
         self._jobs: dict[int, _Job] = {}
         self._ids = itertools.count()
         self._busy = False
@@ -225,36 +225,41 @@ class Dispatcher:
     # --- arrivals -----------------------------------------------------------------------------
 
     def submit(
-        self, tensors: Tensors, budget_s: float, reply: Reply, started: Started | None = None
+        self,
+        tensors: Tensors,
+        rows: int,
+        budget_s: float,
+        reply: Reply,
+        started: Started | None = None,
     ) -> None:
-        """Queue one request; `reply` is called exactly once, on the event loop, and `started`
-        whenever a batch holding it (or a piece of it) goes to the model."""
+        """Queue one request of `rows` rows, checked against the signature already; `reply`
+        is called exactly once, on the event loop, and `started` whenever a batch holding it
+        (or a piece of it) goes to the model."""
         if not self._accepting:
             self._reply(reply, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
             return
         now = self.clock()
         deadline = now + min(budget_s, self.max_latency_s)
-        in_dim, unbatched = self.runner.batch_dim[0], self.runner.unbatched
-        rows = batching.rows(tensors, in_dim, unbatched)
         # Judged against the runner's own limit, not what is left of it: time lost on the way
         # here is a passing delay, and a request that fits an idle model may run later.
         if self._least_time_s(rows) > self.max_latency_s:
             self._reply(reply, self._too_large(rows))
             return
-        if rows <= self.cap:
+        if rows <= self.max_batch_size:
             self._offer(_Job(tensors, reply, started=started), rows, now, deadline)
             return
-        pieces = batching.chunk(tensors, in_dim, self.cap, unbatched)
+        pieces = batching.chunk(
+            tensors, rows, self.runner.batch_dim[0], self.max_batch_size, self.runner.unbatched
+        )
         whole = _Whole(reply, [None] * len(pieces), len(pieces))
-        for index, piece in enumerate(pieces):
-            size = batching.rows(piece, in_dim, unbatched)
+        for index, (piece, size) in enumerate(pieces):
             self._offer(_Job(piece, reply, whole, index, started), size, now, deadline)
 
     def _least_time_s(self, rows: int) -> float:
-        """What `rows` need on an idle model: full batches of the cap, then the rest."""
-        full, rest = divmod(rows, self.cap)
+        """What `rows` need on an idle model: full batches of `max_batch_size`, then the rest."""
+        full, rest = divmod(rows, self.max_batch_size)
         idle_time_s = self.policy.idle_time_s
-        return full * idle_time_s(self.cap) + (idle_time_s(rest) if rest else 0.0)
+        return full * idle_time_s(self.max_batch_size) + (idle_time_s(rest) if rest else 0.0)
 
     def _too_large(self, rows: int) -> Rejection:
         """Why a request that no wait can help is refused, with the most rows that fit."""

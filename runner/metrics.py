@@ -4,7 +4,7 @@ Runners and API workers are separate processes, so metrics go through prometheus
 multiprocess mode: the supervisor gives every process one `PROMETHEUS_MULTIPROC_DIR`, and an
 API worker's `/metrics` merges them. Live gauges keep one series per process (`liveall`), so
 a dead runner's gauges disappear when the supervisor marks it dead; a live runner republishes
-them every `PUBLISH_S` whether or not traffic flows, so an idle runner reads idle (issue 10).
+them every `PUBLISH_S` whether or not traffic flows, so an idle runner reads idle.
 
 Counters count whole requests: a request cut into pieces (over `max_batch_size`) that is
 refused or expires counts once in `batchserve_rejections_total`, under the reason it was

@@ -183,4 +183,12 @@ class GreedyPolicy(WithoutModel):
         self.busy = False
 
     def stats(self, now: float) -> PolicyStats:
-        return PolicyStats(0.0, self.cap, 0.0, 0.0, 0.0, 0.0, len(self.queue))
+        return PolicyStats(
+            window_s=0.0,
+            cap=self.cap,
+            intercept_s=0.0,
+            slope_s=0.0,
+            p99_batch_s=0.0,
+            arrival_rps=0.0,
+            queued=len(self.queue),
+        )

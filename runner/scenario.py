@@ -1,4 +1,4 @@
-"""Scenario files for the simulator: reading, checking and typing them (issue #3).
+"""Scenario files for the simulator: reading, checking and typing them.
 
 A scenario is the traffic and the model cost that `batchserve.runner.simulate` plays on its
 virtual clock. It is read with `yaml.safe_load` into frozen values; an error names the dotted
@@ -20,7 +20,7 @@ A phase's `cost` overrides the given keys from the phase's start on, for later p
 The cost of a batch is its model-thread CPU time: `intercept_ms + per_item_ms * rows` times a
 lognormal factor of sigma `noise`, or a batch drawn from a recording (`replay: FILE`, a path
 relative to the scenario file; it replaces the three keys above). What the batch takes on the
-clock, its wall time, is that cost inflated by what a shared machine adds (issue #7):
+clock, its wall time, is that cost inflated by what a shared machine adds:
 
     cost:
       contention: {per_krps: 0.5, window_ms: 100}  # wall * (1 + 0.5 * arrivals per ms lately)

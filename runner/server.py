@@ -32,6 +32,7 @@ from batchserve.runner.metrics import RunnerMetrics
 from batchserve.runner.policies import make_policy
 from batchserve.runner.policy import Policy
 from batchserve.runner.security import Credentials, credentials
+from batchserve.runner.signature import Signature, SignatureError
 from batchserve.runner.status import StatusServer, status_server
 from batchserve.runner.timeouts import Timeouts
 from batchserve.runner.types import Tensors
@@ -58,35 +59,15 @@ log = logging.getLogger("runner")
 DEFAULT_TIMEOUTS = Timeouts()
 
 
-def check_inputs(runner: RunnerConfig, tensors: Tensors) -> str | None:
-    """Why `tensors` do not fit the runner's signature, or None when they do."""
-    expected = {spec.name for spec in runner.inputs}
-    if set(tensors) != expected:
-        return f"inputs {sorted(tensors)} do not match the signature's {sorted(expected)}"
-    dim, unbatched = runner.batch_dim[0], runner.unbatched
-    batch = {array.shape[dim] if array.ndim > dim else -1
-             for name, array in tensors.items() if name not in unbatched}
-    for spec in runner.inputs:
-        array = tensors[spec.name]
-        if array.dtype != spec.dtype:
-            return f"input {spec.name!r} has dtype {array.dtype}; expected {spec.datatype}"
-        fits = array.ndim == len(spec.shape) and all(
-            want in (-1, got) for want, got in zip(spec.shape, array.shape, strict=True)
-        )
-        if not fits:
-            return f"input {spec.name!r} has shape {list(array.shape)}; expected {list(spec.shape)}"
-    if len(batch) != 1 or min(batch) < 1:
-        return f"inputs must share one batch size of at least 1 on dimension {dim}"
-    return None
-
-
 class Connection(asyncio.BufferedProtocol):
     """One client connection; calls are multiplexed on it by id and answered in any order,
     once the client has passed the handshake."""
 
     def __init__(self, runner: RunnerConfig, dispatcher: Dispatcher, live: set[Connection],
-                 token: bytes | None = None, timeouts: Timeouts = DEFAULT_TIMEOUTS) -> None:
+                 token: bytes | None = None, timeouts: Timeouts = DEFAULT_TIMEOUTS,
+                 signature: Signature | None = None) -> None:
         self.runner = runner
+        self.signature = signature or Signature(runner)
         self.dispatcher = dispatcher
         self.live = live
         self.token = token
@@ -147,13 +128,14 @@ class Connection(asyncio.BufferedProtocol):
         if self.greeting is not None:
             self._admit(message)
         elif isinstance(message, Call):
-            problem = check_inputs(self.runner, message.tensors)
-            if problem is not None:
-                self._send(Failure(message.id, FailureCode.INVALID, problem))
+            try:
+                self.signature.check(message.tensors, message.rows)
+            except SignatureError as exc:
+                self._send(Failure(message.id, FailureCode.INVALID, str(exc)))
                 return
             reply = functools.partial(self._reply, message.id)
             started = functools.partial(self._started, message.id)
-            self.dispatcher.submit(message.tensors, message.budget_s, reply, started)
+            self.dispatcher.submit(message.tensors, message.rows, message.budget_s, reply, started)
         elif isinstance(message, Ping):
             self._send(Pong(message.id))
         else:
@@ -228,8 +210,9 @@ async def serve(config: Config, runner: RunnerConfig, address: Address,
             os.unlink(address.target)
     live: set[Connection] = set()
     timeouts = config.timeouts
+    signature = Signature(runner)
     server = await address.serve(
-        lambda: Connection(runner, dispatcher, live, keys.token, timeouts), tls)
+        lambda: Connection(runner, dispatcher, live, keys.token, timeouts, signature), tls)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

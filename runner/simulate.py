@@ -1,7 +1,7 @@
 """A discrete-event simulator that runs the real policy code against a synthetic model.
 
 `batchserve simulate SCENARIO.yml [--policy adaptive|fixed|none|bentoml] [--window-ms W]
-[--cap N] [--seed S] [--json]` (issue #3). Time is virtual: the policy sees the simulator's
+[--cap N] [--seed S] [--json]`. Time is virtual: the policy sees the simulator's
 clock, a batch of n rows costs `(intercept + per_item * n) * lognormal(0, noise)` of CPU (or a
 recorded batch's), its wall time is that cost inflated by contention, a heavy tail and stalls
 when the scenario asks for them (`batchserve.runner.batch_times`), and Poisson traffic is
@@ -36,7 +36,7 @@ DEFAULT_FIXED_WINDOW_MS = 5.0
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """What one run measured; `to_json` gives the keys issue #3 asks for, and more."""
+    """What one run measured; `to_json` gives every field as a plain dict for JSON."""
 
     scenario: str
     policy: str

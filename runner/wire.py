@@ -7,10 +7,10 @@ names a unix socket or a TCP endpoint (optionally under TLS) on another host.
 
     frame   := u32 body_length | body
     body    := u8 kind | u64 id | payload
-    Call    := f64 budget_s | u16 count | tensor*       (API -> runner)
-    Result  := u16 count | tensor*                       (runner -> API)
-    Failure := u8 code | f64 retry_after_s | utf-8 text  (runner -> API)
-    Started := u32 count | u64 call_ids[count]           (runner -> API; id 0)
+    Call    := f64 budget_s | u32 rows | u16 count | tensor*  (API -> runner)
+    Result  := u16 count | tensor*                                  (runner -> API)
+    Failure := u8 code | f64 retry_after_s | utf-8 text             (runner -> API)
+    Started := u32 count | u64 call_ids[count]                      (runner -> API; id 0)
     Ping, Pong := (empty)
     Hello   := u16 version | u32 max_batch_size | u8 name_len | name | nonce[32]
                | u8 proof_len | proof                  (both ways, first; id 0)
@@ -47,7 +47,7 @@ from batchserve.runner.types import BYTES, DATATYPES, Tensors
 
 _LENGTH = struct.Struct("<I")
 _HEAD = struct.Struct("<BQ")
-_CALL = struct.Struct("<dH")
+_CALL = struct.Struct("<dIH")
 _COUNT = struct.Struct("<H")
 _FAILURE = struct.Struct("<Bd")
 _STARTED = struct.Struct("<I")
@@ -56,7 +56,7 @@ _ELEMENT = struct.Struct("<I")
 _HELLO = struct.Struct("<HI")
 _VERSION = struct.Struct("<H")
 NONCE_BYTES = 32
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the Call frame carries its row count
 _DTYPES = list(DATATYPES.values())
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 MAX_FRAME = 1 << 31
@@ -94,8 +94,15 @@ class FailureCode(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class Call:
+    """Run `tensors`, `rows` along the input batch dimension, within `budget_s` seconds.
+
+    The sender counted the rows when it checked the tensors; the runner checks that they
+    agree instead of counting again wherever it needs them.
+    """
+
     id: int
     budget_s: float
+    rows: int
     tensors: Tensors
 
 
@@ -200,8 +207,8 @@ def encode(message: Message) -> Chunks:
     """A message as a list of buffers for `transport.writelines`, tensor data uncopied."""
     out: Chunks = [b""]  # replaced by the length prefix and head
     if isinstance(message, Call):
-        head = _HEAD.pack(Kind.CALL, message.id) + _CALL.pack(message.budget_s,
-                                                               len(message.tensors))
+        head = _HEAD.pack(Kind.CALL, message.id) + _CALL.pack(
+            message.budget_s, message.rows, len(message.tensors))
         _tensors_chunks(message.tensors, len(head), out)
     elif isinstance(message, Result):
         head = _HEAD.pack(Kind.RESULT, message.id) + _COUNT.pack(len(message.tensors))
@@ -321,8 +328,8 @@ def decode(body: bytearray) -> Message:
         kind, ident = _HEAD.unpack_from(body, 0)
         offset = _HEAD.size
         if kind == Kind.CALL:
-            budget, count = _CALL.unpack_from(body, offset)
-            return Call(ident, budget, _read_tensors(body, offset + _CALL.size, count))
+            budget, rows, count = _CALL.unpack_from(body, offset)
+            return Call(ident, budget, rows, _read_tensors(body, offset + _CALL.size, count))
         if kind == Kind.RESULT:
             (count,) = _COUNT.unpack_from(body, offset)
             return Result(ident, _read_tensors(body, offset + _COUNT.size, count))

@@ -40,9 +40,10 @@ def test_rows_are_counted_on_batchable_inputs() -> None:
 
 
 def test_every_piece_of_a_cut_request_keeps_its_non_batchable_inputs_whole() -> None:
-    pieces = batching.chunk(request(5, b"m"), 0, 2, {"mode"})
-    assert [piece["x"].shape[0] for piece in pieces] == [2, 2, 1]
-    assert all(piece["mode"].tolist() == [b"m"] for piece in pieces)
+    pieces = batching.chunk(request(5, b"m"), 5, 0, 2, {"mode"})
+    assert [piece["x"].shape[0] for piece, _ in pieces] == [2, 2, 1]
+    assert [size for _, size in pieces] == [2, 2, 1]
+    assert all(piece["mode"].tolist() == [b"m"] for piece, _ in pieces)
 
 
 def test_bytes_outputs_split_by_rows() -> None:

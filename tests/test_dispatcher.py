@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -51,18 +52,61 @@ class Gate:
         return x * 2
 
 
+class FakeClock:
+    """Time that moves only when a test moves it: the dispatcher's clock and its event loop's,
+    so the policy's wake-ups, deadlines and the drain's grace period are all exact."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def advance(self, seconds: float) -> None:
+        """Let what is ready run, move time on, and let what came due run."""
+        await asyncio.sleep(0)
+        self.now += seconds
+        await asyncio.sleep(0)
+
+
+def fake_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """A fake clock that the running event loop keeps time by too."""
+    loop = asyncio.get_running_loop()
+    clock = FakeClock(loop.time())
+    monkeypatch.setattr(loop, "time", clock)
+    return clock
+
+
 def dispatcher(model: Callable[..., object], policy: Policy | None = None,
-               cap: int = 4) -> Dispatcher:
+               max_batch_size: int = 4, clock: Callable[[], float] = time.monotonic
+               ) -> Dispatcher:
+    batching = type(RUNNER.batching)(True, max_batch_size, 1000.0)
     runner = RunnerConfig(**{**{f: getattr(RUNNER, f) for f in RUNNER.__slots__},
-                             "batching": type(RUNNER.batching)(True, cap, 1000.0)})
-    return Dispatcher(runner, Model(runner, model, torch=False), policy or GreedyPolicy(cap),
-                      RunnerMetrics("test-dispatcher"))
+                             "batching": batching})
+    return Dispatcher(runner, Model(runner, model, torch=False),
+                      policy or GreedyPolicy(max_batch_size), RunnerMetrics("test-dispatcher"),
+                      clock=clock)
 
 
-async def ask(d: Dispatcher, rows: np.ndarray, budget: float = 10.0) -> Tensors | Rejection:
+def send(d: Dispatcher, x: np.ndarray, budget: float = 10.0,
+         started: Callable[[], None] | None = None) -> asyncio.Future[Tensors | Rejection]:
+    """Submit `x` now; the future holds its one answer."""
     future: asyncio.Future[Tensors | Rejection] = asyncio.get_running_loop().create_future()
-    d.submit({"x": rows}, budget, future.set_result)
-    return await future
+    d.submit({"x": x}, len(x), budget, future.set_result, started)
+    return future
+
+
+async def ask(d: Dispatcher, x: np.ndarray, budget: float = 10.0) -> Tensors | Rejection:
+    return await send(d, x, budget)
+
+
+async def hold(d: Dispatcher, gate: Gate, x: np.ndarray) -> asyncio.Future[Tensors | Rejection]:
+    """Shut the gate and submit `x`; return once its batch has gone to the model."""
+    gate.open.clear()
+    in_model = asyncio.Event()
+    answer = send(d, x, started=in_model.set)
+    await in_model.wait()
+    return answer
 
 
 def rows(n: int, start: float = 0) -> np.ndarray:
@@ -73,10 +117,8 @@ async def test_requests_queued_behind_a_batch_go_out_together() -> None:
     gate = Gate()
     d = dispatcher(gate)
     await d.start()
-    gate.open.clear()
-    first = asyncio.ensure_future(ask(d, rows(1)))
-    await asyncio.sleep(0.05)  # the first batch is now held in the model
-    rest = [asyncio.ensure_future(ask(d, rows(1, 10 * i))) for i in range(1, 4)]
+    first = await hold(d, gate, rows(1))
+    rest = [send(d, rows(1, 10 * i)) for i in range(1, 4)]
     gate.open.set()
     answers = await asyncio.gather(first, *rest)
     for i, answer in enumerate(answers):
@@ -85,9 +127,9 @@ async def test_requests_queued_behind_a_batch_go_out_together() -> None:
     assert gate.batches == [1, 3]
 
 
-async def test_a_request_larger_than_the_cap_is_split_and_joined() -> None:
+async def test_a_request_larger_than_max_batch_size_is_split_and_joined() -> None:
     gate = Gate()
-    d = dispatcher(gate, cap=4)
+    d = dispatcher(gate, max_batch_size=4)
     await d.start()
     answer = await ask(d, rows(10))
     assert not isinstance(answer, Rejection)
@@ -105,20 +147,24 @@ async def test_a_failing_batch_answers_each_request_and_the_next_batch_runs() ->
     assert not isinstance(ok, Rejection)
 
 
-async def test_a_request_whose_deadline_passes_in_the_queue_is_expired_unrun() -> None:
+async def test_a_request_whose_deadline_passes_in_the_queue_is_expired_unrun(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = fake_clock(monkeypatch)
     gate = Gate()
-    d = dispatcher(gate)
+    d = dispatcher(gate, clock=clock)
     await d.start()
-    gate.open.clear()
-    held = asyncio.ensure_future(ask(d, rows(1)))
-    await asyncio.sleep(0.05)
-    late = asyncio.ensure_future(ask(d, rows(1, 5), budget=0.01))
-    await asyncio.sleep(0.05)
+    held = await hold(d, gate, rows(1))
+    late = send(d, rows(1, 5), budget=0.01)
+    on_time = send(d, rows(1, 7), budget=0.02)
+    await clock.advance(0.015)  # past the first's deadline, not the second's
     gate.open.set()
     answer = await late
     assert isinstance(answer, Rejection) and answer.code == FailureCode.EXPIRED
+    assert answer.message == "the request's deadline passed while queued for 'double'"
     assert not isinstance(await held, Rejection)
-    assert gate.batches == [1]
+    assert not isinstance(await on_time, Rejection)
+    assert gate.batches == [1, 1]
 
 
 class Refuser(GreedyPolicy):
@@ -140,7 +186,7 @@ async def test_a_refused_request_counts_once_however_many_pieces_it_was_cut_into
         labels = {"runner": "test-dispatcher", "reason": "refused"}
         return REGISTRY.get_sample_value("batchserve_rejections_total", labels) or 0.0
 
-    d = dispatcher(Gate(), Refuser(4), cap=4)
+    d = dispatcher(Gate(), Refuser(4), max_batch_size=4)
     await d.start()
     before = refused()
     answer = await ask(d, rows(10))  # three pieces, each refused
@@ -149,29 +195,52 @@ async def test_a_refused_request_counts_once_however_many_pieces_it_was_cut_into
     assert refused() - before == 2
 
 
-async def test_drain_finishes_running_work_and_stops_queued_work() -> None:
+async def test_drain_waits_its_grace_period_then_stops_what_is_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = fake_clock(monkeypatch)
     gate = Gate()
-    d = dispatcher(gate)
+    d = dispatcher(gate, clock=clock)
     await d.start()
-    gate.open.clear()
-    running = asyncio.ensure_future(ask(d, rows(1)))
-    await asyncio.sleep(0.05)
-    queued = asyncio.ensure_future(ask(d, rows(1)))
-    await asyncio.sleep(0.01)
-    threading.Timer(0.2, gate.open.set).start()
-    await d.drain(grace_s=0.1)
+    running = await hold(d, gate, rows(1))
+    queued = send(d, rows(1))
+    draining = asyncio.ensure_future(d.drain(grace_s=0.1))
+    await clock.advance(0.099)
+    assert not draining.done() and not queued.done()  # within the grace period: waiting
+    await clock.advance(0.001)
+    await draining
     stopped = await queued
     assert isinstance(stopped, Rejection) and stopped.code == FailureCode.STOPPING
     after = await ask(d, rows(1))
     assert isinstance(after, Rejection) and after.code == FailureCode.STOPPING
     running_answer = await running  # the runner is stopping: even a running batch is answered
     assert isinstance(running_answer, Rejection) and running_answer.code == FailureCode.STOPPING
+    gate.open.set()  # the model call that outlived the drain ends; its answer goes nowhere
+
+
+async def test_drain_returns_as_soon_as_the_running_work_is_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = fake_clock(monkeypatch)
+    gate = Gate()
+    d = dispatcher(gate, clock=clock)
+    await d.start()
+    running = await hold(d, gate, rows(1))
+    queued = send(d, rows(1, 3))
+    draining = asyncio.ensure_future(d.drain(grace_s=0.1))
+    await clock.advance(0.05)
+    gate.open.set()  # both batches finish within the grace period, the clock standing still
+    await draining
+    for answer, x in ((await running, rows(1)), (await queued, rows(1, 3))):
+        assert not isinstance(answer, Rejection), answer
+        np.testing.assert_array_equal(answer["y"], x * 2)
+    assert gate.batches == [1, 1]
 
 
 
 async def test_the_live_gauges_show_the_calibrated_state_before_any_traffic() -> None:
     policy = AdaptivePolicy(8, 1.0)
-    d = dispatcher(Gate(), policy, cap=8)
+    d = dispatcher(Gate(), policy, max_batch_size=8)
     await d.start()
     stats = policy.stats(0.0)
     value = REGISTRY.get_sample_value
@@ -182,14 +251,11 @@ async def test_the_live_gauges_show_the_calibrated_state_before_any_traffic() ->
 
 async def test_a_poison_request_fails_alone_and_the_rest_of_its_batch_is_served() -> None:
     gate = Gate()
-    d = dispatcher(gate, cap=8)
+    d = dispatcher(gate, max_batch_size=8)
     await d.start()
-    gate.open.clear()
-    first = asyncio.ensure_future(ask(d, rows(1)))
-    await asyncio.sleep(0.05)  # the first batch is held; the next six queue behind it
+    first = await hold(d, gate, rows(1))  # the next six queue behind it
     poison = np.full((1, 2), np.nan, np.float32)
-    queued = [asyncio.ensure_future(ask(d, poison if i == 3 else rows(1, 10 * i)))
-              for i in range(6)]
+    queued = [send(d, poison if i == 3 else rows(1, 10 * i)) for i in range(6)]
     gate.open.set()
     await first
     answers = await asyncio.gather(*queued)
@@ -201,3 +267,24 @@ async def test_a_poison_request_fails_alone_and_the_rest_of_its_batch_is_served(
             assert not isinstance(answer, Rejection), answer
             np.testing.assert_array_equal(answer["y"], rows(1, 10 * i) * 2)
     assert not isinstance(await ask(d, rows(2)), Rejection)  # and the runner serves on
+
+
+class TenthOfASecondARow(GreedyPolicy):
+    """A greedy policy whose cost curve says each row takes 0.1 s on an idle model."""
+
+    def idle_time_s(self, rows: int) -> float:
+        return 0.1 * rows
+
+
+async def test_too_large_is_judged_against_the_runners_own_limit_not_the_budget_left() -> None:
+    """5 rows need 0.5 s: over a 0.2 s budget but within max_latency_ms 1000, so they are
+    queued; 20 rows need 2 s, which no idle model meets: a 413's TOO_LARGE with advice."""
+    d = dispatcher(Gate(), TenthOfASecondARow(4))
+    await d.start()
+    fits = await ask(d, rows(5), budget=0.2)
+    assert not isinstance(fits, Rejection) or fits.code != FailureCode.TOO_LARGE, fits
+    refused = await ask(d, rows(20), budget=10.0)
+    assert isinstance(refused, Rejection) and refused.code == FailureCode.TOO_LARGE
+    assert refused.message.endswith(
+        "over its max_latency_ms of 1000; send at most 10 rows a request"
+    ), refused.message

@@ -92,7 +92,7 @@ def test_versions_and_names_must_agree() -> None:
     with pytest.raises(Refused, match="it serves runner 'm', not 'n'"):
         answer(first, "n", None)
     with pytest.raises(Refused, match="it sent a Call frame before its Hello"):
-        admit(first, Call(1, 1.0, {}), None)
+        admit(first, Call(1, 1.0, 1, {}), None)
 
 
 def test_a_refusal_reaches_the_client_as_its_reason() -> None:

@@ -144,7 +144,7 @@ class RefitFault(AdaptivePolicy):
 async def test_batches_run_on_while_refits_fail_or_take_a_second(seconds: float | None) -> None:
     policy = RefitFault(seconds)
     gate = Gate()
-    d = dispatcher(gate, policy, cap=4)
+    d = dispatcher(gate, policy, max_batch_size=4)
     await d.start()
     started = time.monotonic()
     for i in range(30):
@@ -157,7 +157,7 @@ async def test_batches_run_on_while_refits_fail_or_take_a_second(seconds: float 
 
 async def test_a_stalled_model_call_leaves_no_request_stranded() -> None:
     gate = Gate()
-    d = dispatcher(gate, fitted_adaptive(), cap=4)
+    d = dispatcher(gate, fitted_adaptive(), max_batch_size=4)
     await d.start()
     calibration = len(gate.batches)
     gate.open.clear()
@@ -171,7 +171,7 @@ async def test_a_stalled_model_call_leaves_no_request_stranded() -> None:
 async def test_a_clock_that_jumps_expires_what_it_must_and_serves_what_comes_after() -> None:
     offset = [0.0]
     gate = Gate()
-    d = dispatcher(gate, fitted_adaptive(), cap=4)
+    d = dispatcher(gate, fitted_adaptive(), max_batch_size=4)
     d.clock = lambda: time.monotonic() + offset[0]
     await d.start()
     gate.open.clear()
@@ -188,7 +188,7 @@ async def test_a_clock_that_jumps_expires_what_it_must_and_serves_what_comes_aft
 
 async def test_an_answer_that_cannot_be_sent_strands_no_other() -> None:
     gate = Gate()
-    d = dispatcher(gate, fitted_adaptive(), cap=4)
+    d = dispatcher(gate, fitted_adaptive(), max_batch_size=4)
     await d.start()
     gate.open.clear()
     loop = asyncio.get_running_loop()
@@ -197,9 +197,9 @@ async def test_an_answer_that_cannot_be_sent_strands_no_other() -> None:
     def broken(result: Tensors | Rejection) -> None:
         raise OSError("the connection is gone")
 
-    d.submit({"x": rows(1)}, 10.0, broken)
+    d.submit({"x": rows(1)}, 1, 10.0, broken)
     for i, future in enumerate(futures):
-        d.submit({"x": rows(1, i)}, 10.0, future.set_result)
+        d.submit({"x": rows(1, i)}, 1, 10.0, future.set_result)
     gate.open.set()
     answers = await asyncio.gather(*futures)
     assert all(not isinstance(a, Rejection) for a in answers)

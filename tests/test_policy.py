@@ -66,8 +66,9 @@ def test_the_heavy_tail_adds_over_batches_as_a_cube_norm_the_normal_spread_in_qu
     # at 3.3 spreads, not the model's 3.
     normal = 0.15 * 3.3 / 3.0
     expected = 0.08 + normal * math.sqrt(2.0) * one + 0.85 * 2.0 ** (1.0 / 3.0) * one
-    assert policy.promise(1, 0.0) == pytest.approx(expected)
-    assert policy.promise(1, 0.0) < 0.08 + 1.0 * math.sqrt(2.0) * one  # quadrature of it all
+    assert policy.promised_finish(1, 0.0) == pytest.approx(expected)
+    # below the bound with every part added in quadrature:
+    assert policy.promised_finish(1, 0.0) < 0.08 + 1.0 * math.sqrt(2.0) * one
 
 
 def test_a_request_the_cap_would_make_late_rides_the_next_batch_if_it_has_time() -> None:
@@ -81,7 +82,7 @@ def test_a_request_the_cap_would_make_late_rides_the_next_batch_if_it_has_time()
     urgent = request(5, 0.001, slo=0.015)
     # Behind a full next batch it would finish near 0.0195, after its deadline of 0.016; in
     # the next batch, five rows from 0.0055 take until 0.013: everyone in it is on time.
-    assert policy.promise(1, 0.001) > urgent.deadline
+    assert policy.promised_finish(1, 0.001) > urgent.deadline
     assert policy.offer(urgent, 0.001)
     assert not policy.offer(request(6, 0.001, slo=0.012), 0.001)  # six rows: done at 0.0135
     policy.complete(Batch((request(0, 0.0),), "idle"), 0.0, 0.0055)
@@ -341,8 +342,8 @@ def test_bentoml_splits_time_evenly_when_every_batch_has_one_item() -> None:
             step = policy.poll(now)
         policy.complete(step.batch, now, now + 0.006)
         now += 0.05
-    assert policy.a == pytest.approx(0.003)  # twice the true per-item cost of a 6 ms item
-    assert policy.b == pytest.approx(0.003)
+    assert policy.slope_s == pytest.approx(0.003)  # twice the true per-item cost of a 6 ms item
+    assert policy.intercept_s == pytest.approx(0.003)
 
 
 def test_an_idle_model_admits_what_fits_its_cost_curve_whatever_the_stretch() -> None:

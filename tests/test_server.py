@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -131,33 +132,54 @@ def test_requests_reach_every_runner_process(serve: object) -> None:
     assert runner_pids == set(server.runners())
 
 
+def in_flight(server: Server, runner: str) -> float:
+    """Requests the API workers have sent to `runner` and not had answered yet."""
+    with server.client() as client:
+        text = client.get("/metrics").text
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == "batchserve_inflight_requests"
+               and sample.labels.get("runner") == runner)
+
+
+DEAD_RUNNER = re.compile(
+    r"runner 'gated' at unix:\S+ went away (while|before) running the request"
+)
+"""What a request in flight to a runner that dies is answered: not a refusal's words."""
+
+
 def test_killed_runner_answers_in_flight_requests_and_is_replaced(serve: object) -> None:
-    config = PID_CONFIG.format(name="slow", model="slow_echo", latency=5000,
+    config = PID_CONFIG.format(name="gated", model="gated_echo", latency=30000,
                                outputs="{name: y, datatype: FP32, shape: [-1, 4]}")
     config = config.replace("workers: 2\n", "workers: 1\n")
     server: Server = serve(config, "--api-workers", "1")  # type: ignore[operator]
     runners = server.runners()
     assert len(runners) == 1
-    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
-    in_flight = threading.Barrier(9)
+    held = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
+                        "data": [-1, 0, 0, 0]}]}  # -1: the model holds its batch at the gate
 
-    def one(_: int) -> tuple[int, str | None]:
+    def one(_: int) -> httpx.Response:
         with server.client() as client:
-            in_flight.wait()
-            answer = client.post("/v2/models/slow/infer", json=body)
-        return answer.status_code, answer.headers.get("retry-after")
+            return client.post("/v2/models/gated/infer", json=held)
 
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(one, i) for i in range(8)]
-        in_flight.wait()
-        threading.Event().wait(0.15)  # requests are queued or in the 300 ms batch
+        wait_for(lambda: in_flight(server, "gated") == 8, 30, "every request in flight")
         os.kill(runners[0], signal.SIGKILL)
-        answers = [future.result(timeout=5) for future in futures]
-    assert all(status == 503 and retry for status, retry in answers), answers
+        answers = [future.result(timeout=10) for future in futures]
+    assert [answer.status_code for answer in answers] == [503] * 8
+    assert all(answer.headers["retry-after"].isdigit() for answer in answers)
+    errors = [answer.json()["error"] for answer in answers]
+    found = [DEAD_RUNNER.fullmatch(error) for error in errors]
+    assert all(found), errors
+    # The batch at the gate had started; the requests queued behind it had not.
+    assert "while" in {match[1] for match in found if match}, errors
+
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
 
     def served() -> bool:
         with server.client() as client:
-            return client.post("/v2/models/slow/infer", json=body).status_code == 200
+            return client.post("/v2/models/gated/infer", json=body).status_code == 200
 
     wait_for(served, 120, "a replacement runner to serve again")
     replacements = server.runners()

@@ -32,6 +32,7 @@ from batchserve.runner.simulate import (
     main,
     simulate,
 )
+from benchmarks.dispatcher_table import one_request_ms
 from benchmarks.grid import CAPS, FULL_SHARE, LIMITS_MS, LOADS, RATIOS, cells, run_cell
 
 SCENARIOS = Path(__file__).parent.parent / "benchmarks" / "scenarios"
@@ -171,6 +172,14 @@ def test_shipped_scenarios_load() -> None:
     assert {"low_load", "load_80", "overload_150", "steps", "bursts", "cost_doubling"} <= names
     for path in SCENARIOS.glob("*.yml"):
         assert load_scenario(path).seconds > 0
+
+
+def test_the_results_table_reads_one_requests_time_from_the_scenario() -> None:
+    """The low-load check compares p50 with this: it follows the scenario file's cost."""
+    assert one_request_ms(parse_scenario(SMALL)) == pytest.approx(5.5)  # 5 + 0.5 * 1 row
+    bigger = {**SMALL, "cost": {"intercept_ms": 8, "per_item_ms": 2},
+              "request_size": {"min": 3, "max": 4}}
+    assert one_request_ms(parse_scenario(bigger)) == pytest.approx(14.0)  # 8 + 2 * 3 rows
 
 
 def test_batch_reasons_are_recorded() -> None:

@@ -44,9 +44,9 @@ def test_every_datatype_round_trips_exactly(datatype: str) -> None:
         array = (np.arange(24) % 2 if dtype.kind == "b" else np.arange(24)).astype(dtype)
         scalar = np.array(3, dtype=dtype)
     array = array.reshape(2, 3, 4)
-    call = round_trip(Call(7, 0.25, {"t": array, "scalar": scalar, "after": array[:1]}))
+    call = round_trip(Call(7, 0.25, 2, {"t": array, "scalar": scalar, "after": array[:1]}))
     assert isinstance(call, Call)
-    assert (call.id, call.budget_s) == (7, 0.25)
+    assert (call.id, call.budget_s, call.rows) == (7, 0.25, 2)
     np.testing.assert_array_equal(call.tensors["t"], array)
     np.testing.assert_array_equal(call.tensors["after"], array[:1])
     assert call.tensors["scalar"] == scalar
@@ -78,7 +78,7 @@ def test_failures_and_pings_round_trip() -> None:
 def test_frames_survive_any_split_of_the_stream() -> None:
     # Small frames, then one larger than the staging buffer, then small ones again.
     rows = [1, 2, 3, STAGE_BYTES // 4, 4, 5]
-    messages = [Call(i, 1.0, {"x": np.full((n, 2), i, np.float32)}) for i, n in enumerate(rows)]
+    messages = [Call(i, 1.0, n, {"x": np.full((n, 2), i, np.float32)}) for i, n in enumerate(rows)]
     stream = b"".join(frame_bytes(m) for m in messages)
     for step in (1, 3, 7, 64, 5000, STAGE_BYTES + 1, len(stream)):
         reader = FrameReader()
@@ -90,7 +90,7 @@ def test_frames_survive_any_split_of_the_stream() -> None:
 
 
 def test_a_frame_larger_than_the_stage_is_read_into_its_own_body_in_place() -> None:
-    big = Call(7, 1.0, {"x": np.arange(STAGE_BYTES, dtype=np.float32)})
+    big = Call(7, 1.0, STAGE_BYTES, {"x": np.arange(STAGE_BYTES, dtype=np.float32)})
     frame = frame_bytes(big)
     reader = FrameReader()
     assert reader.feed(frame[:1000]) == []
@@ -105,7 +105,7 @@ def test_a_frame_larger_than_the_stage_is_read_into_its_own_body_in_place() -> N
 
 
 def test_a_tensor_that_overruns_its_frame_is_refused() -> None:
-    body = bytearray(frame_bytes(Call(1, 1.0, {"x": np.ones((2, 2), np.float32)}))[4:])
+    body = bytearray(frame_bytes(Call(1, 1.0, 2, {"x": np.ones((2, 2), np.float32)}))[4:])
     with pytest.raises(WireError, match="overruns its frame"):
         decode(body[:-4])
 
@@ -124,7 +124,7 @@ def test_bytes_are_laid_out_as_lengths_and_data_and_keep_later_tensors_aligned()
 def bytes_call(data: bytes, count: int = 2) -> bytearray:
     """A Call frame body with one BYTES tensor of `count` elements whose data are `data`."""
     code = list(DATATYPES).index("BYTES")
-    head = struct.pack("<BQdH", 1, 1, 1.0, 1) + b"\x01w" + bytes([code, 1])
+    head = struct.pack("<BQdIH", 1, 1, 1.0, count, 1) + b"\x01w" + bytes([code, 1])
     head += struct.pack("<q", count)
     head += b"\0" * (-len(head) % 8)
     return bytearray(head + struct.pack("<Q", len(data)) + data)
@@ -164,7 +164,7 @@ def test_bytes_tensors_hold_only_bytes() -> None:
     [
         (struct.pack("<BQ", 99, 1), "unknown frame kind 99"),
         (b"\x01", "malformed frame"),
-        (struct.pack("<BQdH", 1, 1, 1.0, 1) + b"\x01x\x63\x01" + b"\0" * 16, "unknown dtype"),
+        (struct.pack("<BQdIH", 1, 1, 1.0, 1, 1) + b"\x01x\x63\x01" + b"\0" * 16, "unknown dtype"),
     ],
 )
 def test_malformed_frames_raise_wire_errors(body: bytes, message: str) -> None:
