@@ -258,7 +258,7 @@ async def test_a_process_that_leaves_answers_its_calls_in_flight_first(cluster: 
     try:
         await until(lambda: connected(pool) == {"127.0.0.2"}, "connected to 127.0.0.2")
         rows = {"x": np.arange(4, dtype=np.float32).reshape(1, 4)}
-        call = asyncio.create_task(pool.infer(rows, 5.0))
+        call = asyncio.create_task(pool.infer(rows, 1, 5.0))
         await until(lambda: leaving.calls == 1, "the call reached 127.0.0.2")
         link: Link = pool.links[0]
         dns.answer = ["127.0.0.3"]
