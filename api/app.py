@@ -18,21 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    REGISTRY,
-    CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     generate_latest,
 )
-from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -58,7 +54,7 @@ from batchserve.api.errors import (
 from batchserve.api.overload import Shedder, watch
 from batchserve.api.reserve import Reserve
 from batchserve.runner.config import Config, RunnerConfig
-from batchserve.runner.metrics import SECONDS_BUCKETS
+from batchserve.runner.metrics import SECONDS_BUCKETS, registry
 from batchserve.runner.security import Credentials
 from batchserve.runner.types import Tensors
 from batchserve.runner.wire import Address, FailureCode
@@ -350,7 +346,7 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]],
         return _json(described)
 
     async def metrics(request: Request) -> Response:
-        return Response(generate_latest(_registry()), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry()), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -390,12 +386,3 @@ async def _publish(service: Service, period_s: float = PUBLISH_S) -> None:
     while True:
         service.publish()
         await asyncio.sleep(period_s)
-
-
-def _registry() -> CollectorRegistry:
-    """Every process's metrics when the supervisor gave them one folder, else this one's."""
-    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-        return REGISTRY
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry)
-    return registry

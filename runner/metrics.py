@@ -19,9 +19,19 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from batchserve.runner.policy import Batch, PolicyStats
+
+
+def registry() -> CollectorRegistry:
+    """Every process's metrics when the supervisor gave them one folder, else this one's."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        return REGISTRY
+    collected = CollectorRegistry()
+    MultiProcessCollector(collected)
+    return collected
 
 METHOD = "__call__"
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048)

@@ -13,31 +13,23 @@ uvicorn runs in the runner's own event loop, so a loop that is stuck stops answe
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-
-def _registry() -> CollectorRegistry:
-    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-        return REGISTRY
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry)
-    return registry
+from batchserve.runner.metrics import registry
 
 
 def status_app(ready: Callable[[], bool]) -> Starlette:
     """The endpoints above; `ready` says whether the runner takes calls."""
 
     async def metrics(request: Request) -> Response:
-        return Response(generate_latest(_registry()), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry()), media_type=CONTENT_TYPE_LATEST)
 
     async def live(request: Request) -> Response:
         return Response(b"{}", media_type="application/json")
