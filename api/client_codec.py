@@ -26,6 +26,7 @@ from typing import Any, Final
 import numpy as np
 import orjson
 
+from batchserve.runner.signature import batch_rows
 from batchserve.runner.types import DATATYPES, Tensors
 
 __all__ = [
@@ -174,27 +175,6 @@ def _array(spec: TensorInfo, value: Any) -> np.ndarray:
             f"({dtype}) or a type that casts to it without changing kind"
         )
     return value.astype(dtype)
-
-
-def batch_rows(inputs: Mapping[str, np.ndarray], axis: int = 0) -> int:
-    """The batch size the inputs agree on along `axis`; a `ValueError` when they do not."""
-    first, rows = "", -1
-    for name, array in inputs.items():
-        if array.ndim <= axis:
-            raise ValueError(
-                f"input {name!r} has {array.ndim} dimensions; expected a batch dimension {axis}"
-            )
-        count = array.shape[axis]
-        if count == 0:
-            raise ValueError(f"input {name!r} has 0 rows (dimension {axis}); expected at least 1")
-        if rows == -1:
-            first, rows = name, count
-        elif count != rows:
-            raise ValueError(
-                f"input {name!r} has {count} rows (dimension {axis}) but input {first!r} has "
-                f"{rows}; expected the same batch size for all inputs"
-            )
-    return rows
 
 
 # --- chunking -----------------------------------------------------------------------------------

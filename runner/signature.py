@@ -23,7 +23,7 @@ import numpy as np
 from batchserve.runner.config import RunnerConfig, TensorSpec
 from batchserve.runner.types import BYTES, DATATYPES
 
-__all__ = ["Signature", "SignatureError", "fits", "shape_text", "show"]
+__all__ = ["Signature", "SignatureError", "batch_rows", "fits", "shape_text", "show"]
 
 _DATATYPE_NAMES = {dtype: name for name, dtype in DATATYPES.items()}
 
@@ -54,6 +54,36 @@ def fits(shape: tuple[int, ...] | list[int], pattern: tuple[int, ...]) -> bool:
         if want != got and want != -1:
             return False
     return True
+
+
+def batch_rows(
+    arrays: Mapping[str, np.ndarray], dim: int = 0, skip: Collection[str] = ()
+) -> int:
+    """The batch size the arrays (but those named in `skip`) share along `dim`: at least 1.
+
+    The server's check and the Python client's both count rows here, so they agree.
+    """
+    first, rows = "", -1
+    for name, array in arrays.items():
+        if name in skip:
+            continue
+        if array.ndim <= dim:
+            raise SignatureError(
+                f"input {name!r} has {array.ndim} dimensions; expected a batch dimension {dim}"
+            )
+        count = array.shape[dim]
+        if count == 0:
+            raise SignatureError(
+                f"input {name!r} has 0 rows (dimension {dim}); expected at least 1"
+            )
+        if rows == -1:
+            first, rows = name, count
+        elif count != rows:
+            raise SignatureError(
+                f"input {name!r} has {count} rows (dimension {dim}) but input {first!r} "
+                f"has {rows}; expected the same batch size for all inputs"
+            )
+    return rows
 
 
 # --- the signature ------------------------------------------------------------------------------
@@ -133,24 +163,7 @@ class Signature:
 
     def rows(self, tensors: Mapping[str, np.ndarray]) -> int:
         """The batch size all batchable inputs share along the batch dimension: at least 1."""
-        dim, unbatched = self.batch_dim, self.unbatched
-        first, rows = "", -1
-        for name, array in tensors.items():
-            if name in unbatched:
-                continue
-            count = array.shape[dim]
-            if count == 0:
-                raise SignatureError(
-                    f"input {name!r} has 0 rows (dimension {dim}); expected at least 1"
-                )
-            if rows == -1:
-                first, rows = name, count
-            elif count != rows:
-                raise SignatureError(
-                    f"input {name!r} has {count} rows (dimension {dim}) but input {first!r} "
-                    f"has {rows}; expected the same batch size for all inputs"
-                )
-        return rows
+        return batch_rows(tensors, self.batch_dim, self.unbatched)
 
     def check(self, tensors: Mapping[str, np.ndarray], rows: int) -> None:
         """Every check at once, on arrays, as a runner receives them with their row count."""
