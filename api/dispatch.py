@@ -359,10 +359,13 @@ class Pool:
 
     def pick(self, besides: Link | None = None) -> Link:
         """A connected process (other than `besides`), uniformly at random."""
-        links = [link for link in self.links if link.connected and link is not besides]
+        links = self._connected(besides)
         if not links:
             raise Unavailable(f"no process of runner {self.runner!r} is reachable")
         return links[0] if len(links) == 1 else random.choice(links)
+
+    def _connected(self, besides: Link | None = None) -> list[Link]:
+        return [link for link in self.links if link.connected and link is not besides]
 
     async def infer(self, tensors: Tensors, rows: int, budget_s: float) -> Tensors:
         """Call a process with `tensors` of `rows` rows, checked against the signature; if it
@@ -374,7 +377,7 @@ class Pool:
             message = await link.call(lambda ident: Call(ident, budget_s, rows, tensors))
         except NotStarted:
             left = budget_s - (time.monotonic() - sent)
-            if left <= 0 or not any(o.connected and o is not link for o in self.links):
+            if left <= 0 or not self._connected(besides=link):
                 raise
             log.info("runner %s: a call not started on %s goes to another process",
                      self.runner, link.address)
