@@ -165,6 +165,7 @@ class Dispatcher:
         self._ids = itertools.count()
         self._busy = False
         self._accepting = True
+        self._halted = False
         self._refitting = False
         self._timer = _Timer()
         self._ticker: asyncio.TimerHandle | None = None
@@ -217,10 +218,19 @@ class Dispatcher:
             await asyncio.wait_for(self._idle.wait(), grace_s)
         except TimeoutError:
             pass
-        for ident in list(self._jobs):
-            self._answer(ident, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
+        self._halt("the runner is stopping")
         self._model_thread.shutdown(wait=False, cancel_futures=True)
         self._refit_thread.shutdown(wait=False, cancel_futures=True)
+
+    def _halt(self, why: str) -> None:
+        """Refuse every request held, queued or running, and release no batch after: the
+        policy's queue still names the requests just answered, and a batch still running
+        would otherwise pull them out when it completes."""
+        self._accepting = False
+        self._halted = True
+        self._arm(None, self.clock())
+        for ident in list(self._jobs):
+            self._answer(ident, Rejection(FailureCode.STOPPING, why, 1.0))
 
     # --- arrivals -----------------------------------------------------------------------------
 
@@ -292,6 +302,8 @@ class Dispatcher:
     # --- the loop's side: poll, launch, complete ----------------------------------------------
 
     def _pump(self) -> None:
+        if self._halted:
+            return
         now = self.clock()
         step = self.policy.poll(now)
         if step.expired:
@@ -360,9 +372,7 @@ class Dispatcher:
         assert self._loop is not None
         log.critical("runner %s: the model thread has not come back; exiting to be replaced",
                      self.runner.name)
-        self._accepting = False
-        for ident in list(self._jobs):
-            self._answer(ident, Rejection(FailureCode.STOPPING, "the runner is restarting", 1.0))
+        self._halt("the runner is restarting")
         self._loop.call_later(0.1, os._exit, EXIT_HUNG)  # after the answers reach the socket
 
     def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
@@ -453,7 +463,7 @@ class Dispatcher:
     # --- refits, off the critical path --------------------------------------------------------
 
     def _maybe_refit(self) -> None:
-        if self._refitting or self._loop is None:
+        if self._refitting or self._halted or self._loop is None:
             return
         job = self.policy.refit_job(self.clock())
         if job is None:

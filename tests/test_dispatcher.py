@@ -109,6 +109,15 @@ async def hold(d: Dispatcher, gate: Gate, x: np.ndarray) -> asyncio.Future[Tenso
     return answer
 
 
+async def completion(d: Dispatcher, limit_s: float = 10.0) -> None:
+    """Wait, in real time, until the running batch's completion has run on the loop."""
+    give_up = time.monotonic() + limit_s
+    while d.busy and time.monotonic() < give_up:
+        await asyncio.to_thread(time.sleep, 0.001)  # real time; the fake clock stands still
+    assert not d.busy, "the model call did not come back"
+    await asyncio.sleep(0)
+
+
 def rows(n: int, start: float = 0) -> np.ndarray:
     return (np.arange(n * 2, dtype=np.float32) + start).reshape(n, 2)
 
@@ -216,6 +225,8 @@ async def test_drain_waits_its_grace_period_then_stops_what_is_left(
     running_answer = await running  # the runner is stopping: even a running batch is answered
     assert isinstance(running_answer, Rejection) and running_answer.code == FailureCode.STOPPING
     gate.open.set()  # the model call that outlived the drain ends; its answer goes nowhere
+    await completion(d)
+    assert gate.batches == [1]  # the queued request, answered already, never ran
 
 
 async def test_drain_returns_as_soon_as_the_running_work_is_done(
