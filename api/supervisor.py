@@ -309,7 +309,9 @@ class Supervisor:
         """Drop a dead child's live gauges at once, not after its restart pause: a scrape
         must not show a dead runner's last state. Its counters stay counted."""
         if self.metrics_dir is not None and child.process is not None:
-            multiprocess.mark_process_dead(child.process.pid, str(self.metrics_dir))
+            multiprocess.mark_process_dead(  # type: ignore[no-untyped-call]
+                child.process.pid, str(self.metrics_dir)
+            )
 
     def _replace(self, child: Child) -> None:
         assert child.process is not None

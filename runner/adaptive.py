@@ -415,7 +415,7 @@ class _Sums:
         self.powers += count * mean_s**TAIL_INDEX
 
     def tail_norm(self) -> float:
-        return self.powers ** (1.0 / TAIL_INDEX)
+        return float(self.powers ** (1.0 / TAIL_INDEX))
 
 
 def best_cap(

@@ -21,7 +21,8 @@ from batchserve.runner.types import ModelInputs, PerRequest, Tensors
 
 def rows(tensors: Tensors, dim: int, unbatched: Collection[str] = ()) -> int:
     """The batch size of a request: its length along the batch dimension."""
-    return next(a for name, a in tensors.items() if name not in unbatched).shape[dim]
+    first = next(a for name, a in tensors.items() if name not in unbatched)
+    return int(first.shape[dim])
 
 
 def concatenate(parts: Sequence[Tensors], dim: int) -> Tensors:

@@ -27,7 +27,8 @@ def iris_classifier() -> Callable[[np.ndarray], np.ndarray]:
         logits = rows.astype(np.float64) @ weights.T + bias
         logits -= logits.max(axis=1, keepdims=True)
         odds = np.exp(logits)
-        return (odds / odds.sum(axis=1, keepdims=True)).astype(np.float32)
+        probabilities: np.ndarray = (odds / odds.sum(axis=1, keepdims=True)).astype(np.float32)
+        return probabilities
 
     return predict
 

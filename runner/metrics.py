@@ -30,7 +30,7 @@ def registry() -> CollectorRegistry:
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
         return REGISTRY
     collected = CollectorRegistry()
-    MultiProcessCollector(collected)
+    MultiProcessCollector(collected)  # type: ignore[no-untyped-call]
     return collected
 
 METHOD = "__call__"

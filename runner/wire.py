@@ -545,9 +545,9 @@ class Address:
         if self.discovered:
             raise ValueError(f"{self} names processes to find by DNS, not one to connect to")
         if self.scheme == "unix":
-            return await loop.create_unix_connection(factory, self.target)  # type: ignore
+            return await loop.create_unix_connection(factory, self.target)
         host, port = self._host_port()
-        return await loop.create_connection(  # type: ignore
+        return await loop.create_connection(
             factory, host, port, ssl=tls,
             server_hostname=(server_name or host) if tls is not None else None,
         )
