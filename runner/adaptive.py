@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -35,6 +36,41 @@ each batch alone (one batch rarely hits at once with another), which gives that 
 normal part still adds in quadrature (docs/dispatcher.md, "The tail")."""
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """Every tuning constant of the adaptive policy and its latency model, in one place.
+
+    The defaults are what docs/dispatcher.md measures; a user has no reason to change them,
+    which is why the configuration file does not expose them. Tests and experiments do.
+    """
+
+    quantile_k: float = 3.0
+    """Spreads above the line that a batch's high quantile sits (about its p99.9)."""
+    promise_k: float = 3.3
+    """The same for a promise over several batches: a little higher, for the 0.1% late target
+    summed over the batches a request waits for."""
+    sample_window: int = 128
+    """Measured batches the regression keeps."""
+    half_life: float = 32.0
+    """Batches back at which a measured batch weighs half as much as the newest."""
+    calibration_weight: float = 0.1
+    """Weight of each start-up timing against a measured batch, so traffic soon dominates."""
+    calibration_repeats: int = 2
+    """Times each calibration size is run at start-up."""
+    rate_tau_s: float = 0.1
+    """Time constant of the arrival-rate estimates."""
+    refit_every: int = 16
+    """Batches between refits, at the least ..."""
+    refit_period_s: float = 0.25
+    """... and seconds between them ..."""
+    refit_rows: int = 64
+    """... and rows measured since the last one."""
+    hold_share: float = 0.05
+    """The longest hold for more rows, as a share of the latency limit ..."""
+    hold_intercepts: float = 10.0
+    """... and as a multiple of the batch intercept, whichever is shorter."""
+
+
 class AdaptivePolicy:
     """Deadline-aware adaptive batching driven by a latency model (docs/dispatcher.md).
 
@@ -49,19 +85,7 @@ class AdaptivePolicy:
         self,
         max_batch_size: int,
         max_latency_s: float,
-        *,
-        quantile_k: float = 3.0,
-        promise_k: float = 3.3,
-        sample_window: int = 128,
-        half_life: float = 32.0,
-        calibration_weight: float = 0.1,
-        calibration_repeats: int = 2,
-        rate_tau_s: float = 0.1,
-        refit_every: int = 16,
-        refit_period_s: float = 0.25,
-        refit_rows: int = 64,
-        hold_share: float = 0.05,
-        hold_intercepts: float = 10.0,
+        tuning: Tuning = Tuning(),
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size has value {max_batch_size}; it must be at least 1")
@@ -69,19 +93,13 @@ class AdaptivePolicy:
             raise ValueError(f"max_latency_s has value {max_latency_s}; it must be positive")
         self.max_batch_size = max_batch_size
         self.max_latency_s = max_latency_s
+        self.tuning = tuning
         self.model = LatencyModel(
-            window=sample_window,
-            half_life=half_life,
-            calibration_weight=calibration_weight,
-            quantile_k=quantile_k,
+            window=tuning.sample_window,
+            half_life=tuning.half_life,
+            calibration_weight=tuning.calibration_weight,
+            quantile_k=tuning.quantile_k,
         )
-        self.promise_k = promise_k
-        self.calibration_repeats = calibration_repeats
-        self.refit_every = refit_every
-        self.refit_period_s = refit_period_s
-        self.refit_rows = refit_rows
-        self.hold_share = hold_share
-        self.hold_intercepts = hold_intercepts
         self._last_refit = -math.inf
         self.cap = max_batch_size
         self.window_s = 0.0
@@ -95,10 +113,11 @@ class AdaptivePolicy:
         self._done_mean = 0.0
         self._running_mean_s = 0.0
         self._probe = -1  # the id of the last request an idle model admitted on its cost curve
-        self._request_rate = RateEstimator(rate_tau_s)
-        self._row_rate = RateEstimator(rate_tau_s)
-        self._admitted_rate = RateEstimator(rate_tau_s)  # rows/s; refused rows never join
-        self._admitted_now = RateEstimator(rate_tau_s / 5.0)  # sees a step within milliseconds
+        self._request_rate = RateEstimator(tuning.rate_tau_s)
+        self._row_rate = RateEstimator(tuning.rate_tau_s)
+        # rows/s admitted (refused rows never join), and the same seeing a step within ms
+        self._admitted_rate = RateEstimator(tuning.rate_tau_s)
+        self._admitted_now = RateEstimator(tuning.rate_tau_s / 5.0)
         self._queue_wait_s = 0.0
         self._fresh = 0
         self._fresh_rows = 0
@@ -165,7 +184,7 @@ class AdaptivePolicy:
 
     def calibration_sizes(self) -> tuple[int, ...]:
         sizes = sorted({min(2**i, self.max_batch_size) for i in range(32)})
-        return tuple(sizes) * self.calibration_repeats
+        return tuple(sizes) * self.tuning.calibration_repeats
 
     def calibrate(self, timings: Sequence[Timing]) -> None:
         # Before the runner is ready nothing is latency-critical, so fit inline: the first
@@ -181,9 +200,9 @@ class AdaptivePolicy:
         # a second. Wait for enough new batches, rows and time, so that refits stay a small
         # share of the work served, unless the cost shifted (a run of slow batches).
         due = (
-            self._fresh >= self.refit_every
-            and self._fresh_rows >= self.refit_rows
-            and now - self._last_refit >= self.refit_period_s
+            self._fresh >= self.tuning.refit_every
+            and self._fresh_rows >= self.tuning.refit_rows
+            and now - self._last_refit >= self.tuning.refit_period_s
         )
         if not due and not (self._shifted and self._fresh > 0):
             return None
@@ -265,7 +284,8 @@ class AdaptivePolicy:
         k = self.model.quantile_k
         normal = min(self._margin, k * self._fit.spread)
         tail = self._margin - normal
-        return self.promise_k / k * normal * math.sqrt(sums.squares) + tail * sums.tail_norm()
+        normal_part = self.tuning.promise_k / k * normal * math.sqrt(sums.squares)
+        return normal_part + tail * sums.tail_norm()
 
     def _next_start(self, now: float) -> tuple[float, float]:
         """When the next batch is expected to start, and the mean time of the running batch
@@ -330,7 +350,8 @@ class AdaptivePolicy:
         load a short hold, a small slice of the latency limit and a few intercepts at most,
         gathers batches large enough to amortise that (docs/dispatcher.md, "Release").
         """
-        return min(self.hold_share * self.max_latency_s, self.hold_intercepts * intercept_s)
+        tuning = self.tuning
+        return min(tuning.hold_share * self.max_latency_s, tuning.hold_intercepts * intercept_s)
 
     # --- decisions ------------------------------------------------------------------------
 
