@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from batchserve.runner.latency_model import Fit, LatencyModel, RateEstimator, Timing, fit_samples
+from batchserve.runner.latency_model import (
+    Fit,
+    Gaps,
+    LatencyModel,
+    RateEstimator,
+    Timing,
+    fit_samples,
+)
 from batchserve.runner.policy import Batch, PolicyStats, Reason, Request, Step
 
 HOLD_MIN_ARRIVALS = 2.0
@@ -123,6 +130,10 @@ class AdaptivePolicy:
         self._fresh_rows = 0
         self._shifted = False
         self._pending_since: float | None = None
+        self._gaps = Gaps()
+        self._last_finished: float | None = None
+        self._just_completed = False  # the next poll follows a batch's end
+        self._chained = False  # the running batch went out at once after the one before
         self._use(Fit())
 
     # --- the contract ---------------------------------------------------------------------
@@ -146,6 +157,7 @@ class AdaptivePolicy:
         queue = self._queue
         if self._running is not None:
             return Step(expired=expired, wake_at=queue[0].deadline if queue else None)
+        chained, self._just_completed = self._just_completed, False
         if not queue:
             return Step(expired=expired)
         self._retune(now)
@@ -153,12 +165,16 @@ class AdaptivePolicy:
         if reason is None:
             return Step(expired=expired, wake_at=wake_at)
         batch, dropped = self._take(now, reason)
+        self._chained = chained and batch is not None
         return Step(batch=batch, expired=expired + dropped)
 
     def complete(
         self, batch: Batch, started: float, finished: float, cpu_s: float | None = None
     ) -> None:
         self._running = None
+        if self._chained and self._last_finished is not None:
+            self._gaps.add(started - self._last_finished)
+        self._last_finished, self._just_completed = finished, True
         elapsed = finished - started
         rows = batch.rows
         if self.model.add(rows, elapsed, elapsed if cpu_s is None else cpu_s):
@@ -180,6 +196,7 @@ class AdaptivePolicy:
             target_rows=self.target_rows,
             spread=fit.spread,
             stretch=fit.stretch,
+            gap_s=self._gaps.mean_s,
         )
 
     def calibration_sizes(self) -> tuple[int, ...]:
@@ -250,7 +267,7 @@ class AdaptivePolicy:
         first = max(cap, self._next_rows)
         total = self._queued_rows + rows
         if total <= first:
-            ahead, rest, room = 0.0, total, first
+            ahead, rest, room, batches = 0.0, total, first, 1
         else:
             first_s = intercept_s + slope_s * first
             full, rest = divmod(total - first, cap)
@@ -260,7 +277,10 @@ class AdaptivePolicy:
             ahead = first_s + full * batch_s
             sums.add(first_s)
             sums.add(batch_s, full)
-            room = cap
+            room, batches = cap, 2 + full
+        gaps = self._gaps
+        # One gap before every batch still to start, the worst of them at its high quantile.
+        ahead += batches * gaps.mean_s + (gaps.high_s - gaps.mean_s)
         rate = max(self._admitted_rate.rate(now), self._admitted_now.rate(now))
         joining = rate * (start + ahead - now)
         own_s = intercept_s + slope_s * min(room, rest + joining)
@@ -310,7 +330,7 @@ class AdaptivePolicy:
         batch_s = self._mean_intercept_s + self._mean_slope_s * rows
         sums = _Sums(running_s)
         sums.add(batch_s)
-        finish = start + batch_s + self._reserve(sums)
+        finish = start + self._gaps.high_s + batch_s + self._reserve(sums)
         earliest = min((queued.deadline for queued in self._queue), default=math.inf)
         if finish > min(earliest, request.deadline):
             return False
