@@ -6,6 +6,10 @@ uniformly at random by default, or the less loaded of two drawn at random). A co
 that drops fails its calls in flight at once (503), and reconnects in the background, so a
 restarted runner takes traffic again without anyone asking.
 
+A draining runner refuses the calls it has not started (`stopping`); those, and the calls
+a dropped connection held unstarted, go once more to another process while their budget
+lasts, so a runner that drains or goes away loses no request another process can take.
+
 A connection counts as connected only once the handshake has passed
 (`batchserve.runner.handshake`): a runner that speaks another protocol version, serves
 another runner, or refuses (or cannot prove) the token stays unreachable, and requests for it
@@ -141,11 +145,23 @@ class Link(asyncio.BufferedProtocol):
                     self.started.update(c for c in message.calls if c in self.pending)
                     continue
                 future = self.pending.pop(message.id, None)
-                if future is not None and not future.done():
+                if future is None or future.done():
+                    continue
+                if self._refused_unstarted(message):
+                    future.set_exception(NotStarted(
+                        f"runner {self.runner!r} at {self.address} is stopping and did not "
+                        "run the request; retry shortly", 1.0, "stopping"))
+                else:
                     future.set_result(message)
         except WireError as exc:
             log.error("runner %s at %s sent a bad frame: %s", self.runner, self.address, exc)
             self.close()
+
+    def _refused_unstarted(self, message: Message) -> bool:
+        """A draining runner refused a call that never went to its model: another process
+        may run it, so a drain loses nothing another process can take."""
+        return (isinstance(message, Failure) and message.code == FailureCode.STOPPING
+                and message.id not in self.started)
 
     def _greet(self, message: Message) -> None:
         """One step of the handshake: answer the runner's Hello, then check its Welcome."""
