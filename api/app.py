@@ -125,8 +125,9 @@ class Service:
                  keys: Credentials = NO_KEYS) -> None:
         self.config = config
         self.pools = {
-            name: Pool(name, addresses.get(name, ()), config.timeouts, keys)
-            for name in config.runners
+            name: Pool(name, addresses.get(name, ()), config.timeouts, keys,
+                       choice=runner.choice)
+            for name, runner in config.runners.items()
         }
         self.shedder = Shedder()
         self.inflight = 0  # requests accepted and not yet answered

@@ -1,9 +1,14 @@
 """Sending calls to runner processes: one persistent, multiplexed connection each.
 
-Every API worker keeps one connection per runner process and picks a process uniformly at
-random for each request, among those connected. A connection that drops fails its calls in
-flight at once (503), and reconnects in the background, so a restarted runner takes
-traffic again without anyone asking.
+Every API worker keeps one connection per runner process and picks a process for each
+request among those connected, as the runner's `choice` says (`batchserve.api.choice`:
+uniformly at random by default, or the less loaded of two drawn at random). A connection
+that drops fails its calls in flight at once (503), and reconnects in the background, so a
+restarted runner takes traffic again without anyone asking.
+
+A draining runner refuses the calls it has not started (`stopping`); those, and the calls
+a dropped connection held unstarted, go once more to another process while their budget
+lasts, so a runner that drains or goes away loses no request another process can take.
 
 A connection counts as connected only once the handshake has passed
 (`batchserve.runner.handshake`): a runner that speaks another protocol version, serves
@@ -13,7 +18,7 @@ for `timeouts.link_idle_s` is pinged, and dropped when the ping goes unanswered.
 
 A runner's processes are its static addresses, or those a `dns+tcp:` name resolves to
 (`batchserve.api.discovery`): a process that appears gets a connection, and one that leaves
-the name is taken out of the random choice at once and its connection closed once the calls
+the name is taken out of the choice at once and its connection closed once the calls
 it holds are answered.
 """
 
@@ -27,8 +32,10 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
+from batchserve.api.choice import CHOOSERS
 from batchserve.api.discovery import Discovery, Resolver, resolve
 from batchserve.api.errors import Unavailable
+from batchserve.runner.config import Choice
 from batchserve.runner.handshake import Refused, answer, welcomed
 from batchserve.runner.security import Credentials
 from batchserve.runner.timeouts import Timeouts
@@ -138,11 +145,23 @@ class Link(asyncio.BufferedProtocol):
                     self.started.update(c for c in message.calls if c in self.pending)
                     continue
                 future = self.pending.pop(message.id, None)
-                if future is not None and not future.done():
+                if future is None or future.done():
+                    continue
+                if self._refused_unstarted(message):
+                    future.set_exception(NotStarted(
+                        f"runner {self.runner!r} at {self.address} is stopping and did not "
+                        "run the request; retry shortly", 1.0, "stopping"))
+                else:
                     future.set_result(message)
         except WireError as exc:
             log.error("runner %s at %s sent a bad frame: %s", self.runner, self.address, exc)
             self.close()
+
+    def _refused_unstarted(self, message: Message) -> bool:
+        """A draining runner refused a call that never went to its model: another process
+        may run it, so a drain loses nothing another process can take."""
+        return (isinstance(message, Failure) and message.code == FailureCode.STOPPING
+                and message.id not in self.started)
 
     def _greet(self, message: Message) -> None:
         """One step of the handshake: answer the runner's Hello, then check its Welcome."""
@@ -296,8 +315,11 @@ class Pool:
     def __init__(
         self, runner: str, addresses: Sequence[Address], timeouts: Timeouts = DEFAULT_TIMEOUTS,
         keys: Credentials = NO_KEYS, resolver: Resolver = resolve,
+        choice: Choice = "random", rng: random.Random | None = None,
     ) -> None:
         self.runner = runner
+        self.choose = CHOOSERS[choice]
+        self.rng = rng or random.Random()
         self.timeouts = timeouts
         self.keys = keys
         self.links = [Link(runner, a, timeouts, keys) for a in addresses if not a.discovered]
@@ -331,7 +353,7 @@ class Pool:
                  ", ".join(sorted(str(a) for a in found)) or "none")
 
     def _retire(self, link: Link) -> None:
-        """Out of the random choice now; closed once the calls it holds are answered."""
+        """Out of the choice now; closed once the calls it holds are answered."""
         self.links.remove(link)
         self._tasks.pop(link).cancel()  # no more reconnecting or pinging
         task = self._leaving[link] = asyncio.create_task(link.leave())
@@ -358,11 +380,11 @@ class Pool:
             link.abandon(error)
 
     def pick(self, besides: Link | None = None) -> Link:
-        """A connected process (other than `besides`), uniformly at random."""
+        """A connected process (other than `besides`), as the runner's `choice` says."""
         links = self._connected(besides)
         if not links:
             raise Unavailable(f"no process of runner {self.runner!r} is reachable")
-        return links[0] if len(links) == 1 else random.choice(links)
+        return links[self.choose(len(links), lambda i: len(links[i].pending), self.rng)]
 
     def _connected(self, besides: Link | None = None) -> list[Link]:
         return [link for link in self.links if link.connected and link is not besides]

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import yaml
@@ -21,6 +21,11 @@ import yaml
 from batchserve.runner.timeouts import Timeouts
 from batchserve.runner.types import DATATYPES
 from batchserve.runner.wire import ADDRESS_FORMS, Address
+
+Choice = Literal["random", "least_loaded_of_two"]
+"""How an API worker picks one of a runner's connected processes for a request (the
+implementations are in `batchserve.api.choice`)."""
+CHOICES: tuple[Choice, ...] = get_args(Choice)
 
 
 class ConfigError(ValueError):
@@ -64,6 +69,7 @@ class RunnerConfig:
     addresses: tuple[Address, ...] = ()
     """Where this runner's processes listen when they run apart (`batchserve runner`); empty
     when `batchserve serve` starts them itself."""
+    choice: Choice = "random"
 
     @property
     def unbatched(self) -> frozenset[str]:
@@ -248,7 +254,7 @@ def _batch_dim(key: str, value: Any, runner: RunnerConfig) -> tuple[int, int]:
 
 RUNNER_KEYS = {
     "model", "workers", "batching", "inputs", "outputs", "batch_dim", "threads",
-    "batch_timeout_ms", "addresses",
+    "batch_timeout_ms", "addresses", "choice",
 }
 
 
@@ -265,6 +271,13 @@ def _addresses(key: str, value: Any) -> tuple[Address, ...]:
     if len(set(addresses)) != len(addresses):
         raise _fail(key, value, "a list of distinct addresses")
     return tuple(addresses)
+
+
+def _choice(key: str, value: Any) -> Choice:
+    for choice in CHOICES:
+        if value == choice:
+            return choice
+    raise _fail(key, value, "one of " + ", ".join(CHOICES))
 
 
 def _runner(key: str, name: str, value: Any) -> RunnerConfig:
@@ -287,6 +300,7 @@ def _runner(key: str, name: str, value: Any) -> RunnerConfig:
                           else _positive(f"{key}.batch_timeout_ms", raw["batch_timeout_ms"])),
         addresses=(_addresses(f"{key}.addresses", raw["addresses"]) if "addresses" in raw
                    else ()),
+        choice=_choice(f"{key}.choice", raw.get("choice", "random")),
     )
     batch_dim = _batch_dim(f"{key}.batch_dim", raw.get("batch_dim", [0, 0]), runner)
     return RunnerConfig(**{**_fields(runner), "batch_dim": batch_dim})

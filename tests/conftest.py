@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,10 +79,11 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def start_server(config: Path, *args: str) -> Server:
-    """Start `batchserve serve` on a free port and wait for its ready line."""
+def start_server(config: Path, *args: str, prefix: Sequence[str] = ()) -> Server:
+    """Start `batchserve serve` on a free port and wait for its ready line; `prefix` runs it
+    under another command (`ip netns exec NS`)."""
     process = subprocess.Popen(
-        [BATCHSERVE, "serve", "--config", str(config), "--port", "0", *args],
+        [*prefix, BATCHSERVE, "serve", "--config", str(config), "--port", "0", *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=config.parent,
         stdin=subprocess.DEVNULL,
     )

@@ -23,6 +23,13 @@ def slow_pid_echo(x: np.ndarray) -> dict[str, np.ndarray]:
     return pid_echo(x)
 
 
+def paced_pid_echo(x: np.ndarray) -> dict[str, np.ndarray]:
+    """`pid_echo` taking 20 ms a batch whatever its size, spent waiting, not computing: a
+    runner host whose capacity does not depend on the CPU it shares."""
+    time.sleep(0.02)
+    return pid_echo(x)
+
+
 def slow_echo(x: np.ndarray) -> np.ndarray:
     """Holds each batch for 300 ms, so requests are surely in flight when a test acts."""
     time.sleep(0.3)

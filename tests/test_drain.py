@@ -7,6 +7,7 @@ surely in flight when the signal arrives and stay so exactly as long as the test
 
 from __future__ import annotations
 
+import shutil
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +16,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Server, wait_for
+from tests.conftest import ROOT, Server, start_server, wait_for
+from tests.test_remote import TOKEN, start_runner, stop_runner
 
 GATED = """
 timeouts: {{drain_s: {drain}, kill_after_s: {kill}}}
@@ -52,8 +54,8 @@ def sample(text: str, name: str, **labels: str) -> float:
     )
 
 
-def in_flight(server: Server) -> float:
-    return sample(get(server, "/metrics").text, "batchserve_inflight_requests", runner="gated")
+def in_flight(server: Server, runner: str = "gated") -> float:
+    return sample(get(server, "/metrics").text, "batchserve_inflight_requests", runner=runner)
 
 
 def stopped_with(server: Server, pid: int) -> str | None:
@@ -129,3 +131,59 @@ def test_requests_still_held_when_the_grace_period_ends_get_503_and_all_exit_0(
                for line in server.log)
     assert any("request(s) unanswered after 1 s; answering 503" in line for line in server.log)
     (tmp_path / "gate").touch()
+
+
+
+REMOTE = """
+timeouts: {{drain_s: 30, kill_after_s: 35}}
+transport: {{token_file: token}}
+runners:
+  gated:
+    model: fixture_models:gated_echo
+    {addresses}
+    batching: {{max_batch_size: 1, max_latency_ms: 30000}}
+    inputs: [{{name: x, datatype: FP32, shape: [-1, 4]}}]
+    outputs: [{{name: y, datatype: FP32, shape: [-1, 4]}}]
+"""
+
+
+def test_a_draining_runner_finishes_its_queue_and_its_refusals_go_to_another(
+    tmp_path: Path,
+) -> None:
+    """Two `batchserve runner` processes behind an API-only front, each holding requests at
+    the gate; one is sent SIGTERM. It finishes what it holds, and refuses the requests picked
+    for it while it drains: each of those runs on the other process instead, so every
+    request is answered 200. (Without that second try, about half of the second burst would
+    get 503.)"""
+    shutil.copy(ROOT / "tests" / "fixture_models.py", tmp_path / "fixture_models.py")
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    (tmp_path / "runner.yml").write_text(REMOTE.format(addresses=""))
+    runners = [start_runner(tmp_path / "runner.yml", "gated", f"tcp:{ip}:0")
+               for ip in ("127.0.0.1", "127.0.0.2")]
+    draining = runners[0]
+    listed = ", ".join(runner.address for runner in runners)
+    (tmp_path / "front.yml").write_text(REMOTE.format(addresses=f"addresses: [{listed}]"))
+    front = None
+    try:
+        front = start_server(tmp_path / "front.yml", "--api-only", "--api-workers", "1")
+        ready = front
+        wait_for(lambda: get(ready, "/v2/health/ready").status_code == 200, 30,
+                 "the front to connect to both runners")
+        with ThreadPoolExecutor(2 * HELD) as pool:
+            first = [pool.submit(infer, front) for _ in range(HELD)]
+            wait_for(lambda: in_flight(ready) == HELD, 30, "the first burst at the gate")
+            draining.process.send_signal(signal.SIGTERM)
+            wait_for(lambda: draining.logged("stopping: draining"), 10, "the drain to start")
+            second = [pool.submit(infer, front) for _ in range(HELD)]
+            wait_for(lambda: in_flight(ready) == 2 * HELD, 30, "the second burst sent")
+            (tmp_path / "gate").touch()
+            answers = [future.result(timeout=60) for future in first + second]
+        assert [answer.status_code for answer in answers] == [200] * (2 * HELD), [
+            answer.text for answer in answers]
+        assert draining.process.wait(30) == 0
+        assert any("goes to another process" in line for line in front.log), front.log
+    finally:
+        if front is not None:
+            assert front.stop() == 0, "".join(front.log)
+        for runner in runners:
+            stop_runner(runner)

@@ -11,7 +11,7 @@ import socket
 import ssl
 import subprocess
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,9 +61,11 @@ class Runner:
 
 
 def start_runner(config: Path, runner_name: str = "iris_clf",
-                 listen: str = "tcp:127.0.0.1:0") -> Runner:
+                 listen: str = "tcp:127.0.0.1:0", prefix: Sequence[str] = ()) -> Runner:
+    """Start `batchserve runner` and wait for its ready line; `prefix` runs it under another
+    command (`ip netns exec NS`)."""
     process = subprocess.Popen(
-        [BATCHSERVE, "runner", "--config", str(config), "--runner", runner_name,
+        [*prefix, BATCHSERVE, "runner", "--config", str(config), "--runner", runner_name,
          "--listen", listen, "--metrics-port", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
         cwd=config.parent,
@@ -220,12 +222,12 @@ def openssl(folder: Path, *args: str) -> None:
     subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
 
 
-def make_certificates(folder: Path) -> None:
-    """A throwaway CA, a runner certificate for 127.0.0.1 and an API client certificate."""
+def make_certificates(folder: Path, runner_ip: str = "127.0.0.1") -> None:
+    """A throwaway CA, a runner certificate for `runner_ip` and an API client certificate."""
     key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     openssl(folder, "req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
             "-subj", "/CN=batchserve test CA")
-    for name, extension in (("runner", "subjectAltName=IP:127.0.0.1"),
+    for name, extension in (("runner", f"subjectAltName=IP:{runner_ip}"),
                             ("api", "extendedKeyUsage=clientAuth")):
         (folder / f"{name}.ext").write_text(extension + "\n")
         openssl(folder, "req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr",
