@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from batchserve.runner import batching
+from batchserve.runner import batching, ragged
 from batchserve.runner.config import RunnerConfig
 from batchserve.runner.latency_model import Timing
 from batchserve.runner.metrics import RunnerMetrics
@@ -79,6 +79,7 @@ class _Job:
     whole: _Whole | None = None
     index: int = 0
     started: Started | None = None
+    rows: int = 1  # its rows in the outputs; its size for the policy may count elements
 
 
 @dataclass(slots=True)
@@ -87,6 +88,7 @@ class _Outcome:
     started: float
     finished: float
     cpu_s: float
+    rows: int
 
 
 @dataclass(slots=True)
@@ -107,7 +109,10 @@ def _pin_threads(threads: int) -> None:
 
 
 def synthetic_inputs(runner: RunnerConfig, rows: int, seed: int = 0) -> Tensors:
-    """Rows shaped like the declared inputs, for timing the model before it serves."""
+    """Rows shaped like the declared inputs, for timing the model before it serves; for
+    ragged or pad inputs, `rows` counts elements (a batch of several requests)."""
+    if runner.layout != "rows":
+        return ragged.join(runner, ragged.synthetic(runner, rows, seed))
     generator = np.random.default_rng(seed)
     dim = runner.batch_dim[0]
     tensors: Tensors = {}
@@ -139,7 +144,8 @@ class Dispatcher:
         self.clock = clock
         self.cpu_clock = cpu_clock
         self.max_latency_s = runner.batching.max_latency_ms / 1000
-        self.cap = runner.batching.max_batch_size
+        self.cap = runner.max_cost
+        self.unit = "rows" if runner.layout == "rows" else "elements"
         self._jobs: dict[int, _Job] = {}
         self._ids = itertools.count()
         self._busy = False
@@ -214,18 +220,35 @@ class Dispatcher:
         now = self.clock()
         limit_s = min(budget_s, self.max_latency_s)
         deadline = now + limit_s
+        if self.runner.layout != "rows":
+            self._submit_sequence(_Job(tensors, reply, started=started), now, deadline)
+            return
         rows = batching.rows(tensors, self.runner.batch_dim[0])
         if self._least_time_s(rows) > limit_s:
             self._reply(reply, self._too_large(rows, limit_s))
             return
         if rows <= self.cap:
-            self._offer(_Job(tensors, reply, started=started), rows, now, deadline)
+            self._offer(_Job(tensors, reply, started=started, rows=rows), rows, now, deadline)
             return
         pieces = batching.chunk(tensors, self.runner.batch_dim[0], self.cap)
         whole = _Whole(reply, [None] * len(pieces), len(pieces))
         for index, piece in enumerate(pieces):
             size = batching.rows(piece, self.runner.batch_dim[0])
-            self._offer(_Job(piece, reply, whole, index, started), size, now, deadline)
+            self._offer(_Job(piece, reply, whole, index, started, size), size, now, deadline)
+
+    def _submit_sequence(self, job: _Job, now: float, deadline: float) -> None:
+        """A request of ragged or pad inputs: one row, sized by its elements, never cut."""
+        size = ragged.elements(job.tensors)
+        if size > self.cap:  # the API refuses these first (400); a runner never runs one
+            self._reply(job.reply, Rejection(FailureCode.INVALID, (
+                f"the request has {size} elements; runner {self.runner.name!r} takes at "
+                f"most {self.cap} in a batch (its max_batch_elements)"
+            )))
+            return
+        if self._least_time_s(size) > deadline - now:
+            self._reply(job.reply, self._too_large(size, deadline - now))
+            return
+        self._offer(job, size, now, deadline)
 
     def _least_time_s(self, rows: int) -> float:
         """What `rows` need on an idle model: full batches of the cap, then the rest."""
@@ -239,10 +262,10 @@ class Dispatcher:
         while high - low > 1:
             middle = (low + high) // 2
             low, high = (middle, high) if self._least_time_s(middle) <= limit_s else (low, middle)
-        advice = (f"send at most {low} rows a request" if low else
+        advice = (f"send at most {low} {self.unit} a request" if low else
                   "no request fits: raise max_latency_ms, or the request's timeout")
         return Rejection(FailureCode.TOO_LARGE, (
-            f"{rows} rows need {self._least_time_s(rows) * 1000:.1f} ms on runner "
+            f"{rows} {self.unit} need {self._least_time_s(rows) * 1000:.1f} ms on runner "
             f"{self.runner.name!r} even when it is idle, by its current cost model, over the "
             f"{limit_s * 1000:.1f} ms they may take (its max_latency_ms is "
             f"{self.runner.batching.max_latency_ms:g}); {advice}"
@@ -308,7 +331,7 @@ class Dispatcher:
             if job.started is not None:
                 job.started()
         parts = [job.tensors for job in jobs]
-        sizes = [request.rows for request in batch.requests]
+        sizes = [job.rows for job in jobs]
         future = self._model_thread.submit(self._execute, parts, sizes)
         future.add_done_callback(lambda done: self._to_loop(self._completed, batch, done))
         self._watchdog = self._loop.call_later(
@@ -348,21 +371,26 @@ class Dispatcher:
         """On the model thread: join, run, split; errors become an outcome, never a crash."""
         started, cpu = self.clock(), self.cpu_clock()
         pieces = self._run(parts, sizes)
-        return _Outcome(pieces, started, self.clock(), self.cpu_clock() - cpu)
+        return _Outcome(pieces, started, self.clock(), self.cpu_clock() - cpu, sum(sizes))
 
     def _run(self, parts: list[Tensors], sizes: list[int]) -> list[Tensors | str]:
         """Each request's outputs; a batch the model fails on is split in halves until the
         requests that make it fail stand alone, so only they fail (a poison request)."""
-        in_dim, out_dim = self.runner.batch_dim
         try:
-            outputs = self.model(batching.concatenate(parts, in_dim))
-            return list(batching.split(outputs, sizes, out_dim))
+            outputs = self.model(self._join(parts))
+            return list(batching.split(outputs, sizes, self.runner.batch_dim[1]))
         except Exception as exc:
             if len(parts) > 1:
                 half = len(parts) // 2
                 return self._run(parts[:half], sizes[:half]) + self._run(parts[half:], sizes[half:])
             log.exception("runner %s: a request of %d rows failed", self.runner.name, sizes[0])
             return [f"{type(exc).__name__}: {exc}"]
+
+    def _join(self, parts: list[Tensors]) -> Tensors:
+        """The model's inputs: rows stacked, or ragged and pad inputs with batch inputs."""
+        if self.runner.layout == "rows":
+            return batching.concatenate(parts, self.runner.batch_dim[0])
+        return ragged.join(self.runner, parts)
 
     def _completed(self, batch: Batch, done: Future[_Outcome]) -> None:
         """Answer the batch's requests, then poll again, whatever answering raised."""
@@ -375,7 +403,9 @@ class Dispatcher:
                 return
             outcome = done.result()
             self.policy.complete(batch, outcome.started, outcome.finished, outcome.cpu_s)
-            self.metrics.batch(batch, outcome.started, outcome.finished, outcome.cpu_s)
+            self.metrics.batch(
+                batch, outcome.started, outcome.finished, outcome.cpu_s, outcome.rows
+            )
             for request, piece in zip(batch.requests, outcome.pieces, strict=True):
                 if isinstance(piece, str):
                     self._answer(request.id, Rejection(
