@@ -101,11 +101,7 @@ class _Signature:
             "inputs": [describe(spec) for spec in runner.inputs],
             "outputs": [describe(spec) for spec in runner.outputs],
             # v2 leaves model parameters open; a client needs these to split a large batch.
-            "parameters": {
-                "max_batch_size": runner.batching.max_batch_size,
-                "input_batch_dim": runner.batch_dim[0],
-                "output_batch_dim": runner.batch_dim[1],
-            },
+            "parameters": _parameters(runner),
         }
         return cls(
             inputs={spec.name: spec for spec in runner.inputs},
@@ -121,6 +117,24 @@ class _Signature:
             },
             metadata=orjson.dumps(document),
         )
+
+
+def _parameters(runner: RunnerConfig) -> dict[str, Any]:
+    """The batch limits; for ragged or pad inputs, whose request is one sequence that is
+    never split, the cap in elements instead of `max_batch_size`, so a client does not cut."""
+    if runner.layout == "rows":
+        return {
+            "max_batch_size": runner.batching.max_batch_size,
+            "input_batch_dim": runner.batch_dim[0],
+            "output_batch_dim": runner.batch_dim[1],
+        }
+    return {
+        "variable_length": runner.layout,
+        "max_batch_elements": runner.max_cost,
+        "max_batch_requests": runner.batching.max_batch_size,
+        "input_batch_dim": runner.batch_dim[0],
+        "output_batch_dim": runner.batch_dim[1],
+    }
 
 
 # Keyed by id() and checked by identity: hashing a RunnerConfig costs more than decoding a row.
@@ -274,6 +288,8 @@ def _decode_inputs(
 
 
 def _rows(inputs: dict[str, np.ndarray], runner: RunnerConfig) -> int:
+    if runner.layout != "rows":
+        return _sequence(inputs, runner)
     dim = runner.batch_dim[0]
     first, rows = "", -1
     for name, array in inputs.items():
@@ -288,6 +304,25 @@ def _rows(inputs: dict[str, np.ndarray], runner: RunnerConfig) -> int:
                 f"{rows}; expected the same batch size for all inputs"
             )
     return rows
+
+
+def _sequence(inputs: dict[str, np.ndarray], runner: RunnerConfig) -> int:
+    """A request of ragged or pad inputs is one row: one sequence an input, of at least one
+    element and at most a batch's `max_batch_elements`, since it is never cut."""
+    cap = runner.max_cost
+    for name, array in inputs.items():
+        length = array.shape[0]
+        if length == 0:
+            raise BadRequest(
+                f"input {name!r} has 0 elements; a {runner.layout} input expects a sequence "
+                "of at least 1"
+            )
+        if length > cap:
+            raise BadRequest(
+                f"input {name!r} has {length} elements; model {runner.name!r} takes at most "
+                f"{cap} in a batch (its max_batch_elements), and a request is never split"
+            )
+    return 1
 
 
 def _decode_outputs(

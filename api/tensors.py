@@ -197,7 +197,8 @@ def from_json(spec: TensorSpec, shape: tuple[int, ...], data: Any) -> np.ndarray
             f"input {name!r} has data nested as {shape_text(raw.shape)}; expected a flat list "
             f"or lists nested as its shape {shape_text(shape)}"
         )
-    if raw.dtype.kind == "O" or (raw.dtype.kind == "f" and spec.dtype.kind in "iu"):
+    # An empty list parses as float64: nothing to check, `_convert` casts it.
+    if raw.size and (raw.dtype.kind == "O" or (raw.dtype.kind == "f" and spec.dtype.kind in "iu")):
         raw = _big_integers(spec, data)
     return _convert(spec, raw).reshape(shape)
 
