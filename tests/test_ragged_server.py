@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,3 +200,17 @@ def test_metadata_and_the_python_client_treat_a_request_as_one_sequence(
         tokens = np.arange(500, 700)  # longer than max_batch_size: still one sequence
         scores = client.infer_batch(tokens=tokens)["scores"]
     np.testing.assert_array_equal(scores, alone(RaggedText(), tokens))
+
+
+def test_the_readme_examples_run_against_the_bundled_text_model(bundled: Server) -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Variable-length inputs (ragged and pad)", 1)[1]
+    section = section.split("\n### ", 1)[0]
+    request = section.split("```sh\n", 1)[1].split("-d '", 1)[1].split("'\n", 1)[0]
+    expected = section.split("```json\n", 1)[1].split("```", 1)[0]
+    with bundled.client() as client:
+        answer = client.post("/v2/models/text/infer", content=request)
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == json.loads(expected)
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(code.replace("http://127.0.0.1:3000", bundled.url), {})
