@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from batchserve.runner import ragged
 from batchserve.runner.adaptive import AdaptivePolicy
@@ -13,6 +14,7 @@ from batchserve.runner.config import ConfigError, RunnerConfig, load, parse
 from batchserve.runner.dispatcher import synthetic_inputs
 from batchserve.runner.latency_model import Timing
 from batchserve.runner.policy import Request
+from batchserve.runner.text_model import VOCAB, PaddedText, RaggedText
 
 RAGGED = """
 runners:
@@ -214,3 +216,12 @@ def test_a_batch_holds_at_most_max_elements_elements() -> None:
 def test_without_max_requests_a_batch_is_bounded_by_size_only() -> None:
     batches = drain(calibrated(1000, max_requests=None), [1] * 40)
     assert max(len(batch) for batch in batches) > 4
+
+
+def test_the_text_model_takes_any_id_modulo_its_vocabulary() -> None:
+    model, padded = RaggedText(), PaddedText()
+    with torch.inference_mode():
+        wide = model(torch.tensor([VOCAB + 1, -1, 5]), torch.tensor([2, 3]))
+        narrow = model(torch.tensor([1, VOCAB - 1, 5]), torch.tensor([2, 3]))
+        rows = padded(torch.tensor([[VOCAB + 1, -1], [5, 0]]), torch.tensor([2, 1]))
+    assert torch.equal(wide, narrow) and torch.equal(rows, narrow)
