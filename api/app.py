@@ -40,7 +40,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from batchserve.api import openapi, protocol
-from batchserve.api.dispatch import Pool, RunnerFailure
+from batchserve.api.dispatch import NO_KEYS, Pool, RunnerFailure
 from batchserve.api.errors import (
     BadRequest,
     BatchserveError,
@@ -56,8 +56,10 @@ from batchserve.api.errors import (
     error_response,
 )
 from batchserve.api.overload import Shedder, watch
+from batchserve.api.reserve import Reserve
 from batchserve.runner.config import Config, RunnerConfig
 from batchserve.runner.metrics import SECONDS_BUCKETS
+from batchserve.runner.security import Credentials
 from batchserve.runner.types import Tensors
 from batchserve.runner.wire import Address, FailureCode
 
@@ -123,15 +125,18 @@ class Service:
     request takes, and it skips the routing and middleware layers it does not need.
     """
 
-    def __init__(self, config: Config, addresses: Mapping[str, Sequence[Address]]) -> None:
+    def __init__(self, config: Config, addresses: Mapping[str, Sequence[Address]],
+                 keys: Credentials = NO_KEYS) -> None:
         self.config = config
         self.pools = {
-            name: Pool(name, addresses.get(name, ()), config.timeouts) for name in config.runners
+            name: Pool(name, addresses.get(name, ()), config.timeouts, keys)
+            for name in config.runners
         }
         self.shedder = Shedder()
         self.inflight = 0  # requests accepted and not yet answered
         self.stopping = False
         self.waiting = dict.fromkeys(config.runners, 0)  # calls out to each runner
+        self.reserves = {name: Reserve() for name in config.runners}
         self._ok = {
             name: (request_duration.labels(name, "200"), requests_total.labels(name, "200"))
             for name in config.runners
@@ -222,9 +227,13 @@ class Service:
         limit = runner.batching.max_latency_ms / 1000
         if call.timeout_s is not None:
             limit = min(limit, call.timeout_s)
-        budget = limit - (time.monotonic() - arrived)
+        reserve = self.reserves[runner.name]
+        sent = time.monotonic()
+        budget = limit - (sent - arrived) - reserve.seconds(limit)
         outputs = await self._call(runner.name, call.inputs, budget)
-        return protocol.encode_infer(runner.name, call, outputs, runner)
+        encoded = protocol.encode_infer(runner.name, call, outputs, runner)
+        reserve.observe(time.monotonic() - (sent + budget))
+        return encoded
 
     async def _body(self, receive: Receive, length: str | None) -> bytes:
         limit = self.config.api.max_body_bytes
@@ -309,9 +318,11 @@ class App:
             await self.routes(scope, receive, send)
 
 
-def create_app(config: Config, addresses: Mapping[str, Sequence[Address]]) -> App:
-    """The API application over runner processes at `addresses` (runner name -> list)."""
-    service = Service(config, addresses)
+def create_app(config: Config, addresses: Mapping[str, Sequence[Address]],
+               keys: Credentials = NO_KEYS) -> App:
+    """The API application over runner processes at `addresses` (runner name -> list),
+    reached with `keys`."""
+    service = Service(config, addresses, keys)
 
     def runner_of(request: Request) -> RunnerConfig:
         return service.runner(request.path_params["name"], request.path_params.get("version"))

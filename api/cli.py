@@ -1,4 +1,4 @@
-"""The `batchserve` command: serve, validate, simulate, bench.
+"""The `batchserve` command: serve, runner, validate, simulate, bench.
 
 Library code raises; only this module turns an error into one line on stderr and a
 non-zero exit status (3 for a bad configuration, as uvicorn does for a failed start).
@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from batchserve.runner.config import Config, ConfigError, load, resolve
+from batchserve.runner.security import Credentials, credentials
 
 CONFIG_ERROR = 3
 
@@ -26,10 +27,26 @@ def _check(path: Path) -> Config:
     return config
 
 
+def _links(config: Config, api_only: bool) -> Credentials:
+    """The credentials to reach every runner, checked before any process starts."""
+    keys = credentials(config)
+    for runner in config.runners.values():
+        if api_only and not runner.addresses:
+            raise ConfigError(
+                f"runners.{runner.name}.addresses is missing: with --api-only, every runner "
+                "must list where it listens (for example [tcp:10.0.0.5:7000])"
+            )
+        for address in runner.addresses:
+            keys.check(address)
+            keys.client_context(address)
+    return keys
+
+
 def _serve(args: argparse.Namespace) -> int:
     from batchserve.api.supervisor import Supervisor
 
-    config = _check(args.config)
+    config = load(args.config) if args.api_only else _check(args.config)
+    keys = _links(config, args.api_only)
     api = config.api
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     return Supervisor(
@@ -38,6 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host or api.host,
         port=api.port if args.port is None else args.port,
         api_workers=args.api_workers or api.workers,
+        keys=keys,
     ).run()
 
 
@@ -57,6 +75,7 @@ def _forward(module: str) -> Callable[[list[str]], int]:
 
 
 FORWARDED = {
+    "runner": _forward("batchserve.runner.server"),
     "simulate": _forward("batchserve.runner.simulate"),
     "bench": _forward("batchserve.api.bench"),
 }
@@ -70,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--api-workers", type=int)
+    serve.add_argument("--api-only", action="store_true",
+                       help="start only API workers, connecting to each runner's configured "
+                            "addresses")
     serve.set_defaults(handler=_serve)
     validate = commands.add_parser("validate", help="check a configuration file")
     validate.add_argument("path", type=Path, nargs="?", default=Path("configuration.yml"))

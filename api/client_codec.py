@@ -163,7 +163,7 @@ def _array(spec: TensorInfo, value: Any) -> np.ndarray:
             "(np.asarray converts lists and most tensors)"
         )
     dtype = DATATYPES.get(spec.datatype)
-    if dtype is None:
+    if dtype is None or spec.datatype == "BYTES":
         raise ValueError(f"input {spec.name!r} has datatype {spec.datatype}, which this client "
                          "does not send")
     if value.dtype == dtype:

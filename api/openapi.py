@@ -33,6 +33,12 @@ def _errors(*codes: int) -> dict[str, Any]:
 
 def _tensor_input(spec: TensorSpec) -> dict[str, Any]:
     shape = "[" + ", ".join(str(d) for d in spec.shape) + "]"
+    meaning = ("-1 marking the batch: any number of rows" if spec.batchable else
+               "not batchable: one value per request, whatever its number of rows")
+    data: dict[str, Any] = {"type": "array"}
+    if spec.datatype == "BYTES":  # strings, flat or nested as the shape
+        data["items"] = {"anyOf": [{"type": "string"}, {"type": "array"}]}
+        data["description"] = "strings, each sent to the model as its UTF-8 bytes"
     return {
         "type": "object",
         "required": ["name", "datatype", "shape", "data"],
@@ -41,8 +47,8 @@ def _tensor_input(spec: TensorSpec) -> dict[str, Any]:
             "datatype": {"type": "string", "enum": [spec.datatype]},
             "shape": {"type": "array", "items": {"type": "integer", "minimum": 1},
                       "minItems": len(spec.shape), "maxItems": len(spec.shape),
-                      "description": f"{shape}, -1 marking the batch: any number of rows"},
-            "data": {"type": "array"},
+                      "description": f"{shape}, {meaning}"},
+            "data": data,
             "parameters": {"type": "object"},
         },
     }

@@ -11,7 +11,12 @@ HTTP header `Inference-Header-Content-Length: N` says the first N bytes of the b
 header; the raw little-endian tensors follow, one for each input that carries
 `parameters.binary_data_size`, in the order of the JSON `inputs` list. Responses use the same
 layout for the outputs requested with `binary_data`. Tensors travel in the host's byte order,
-which is little-endian on every platform batchserve targets (x86-64, arm64).
+which is little-endian on every platform batchserve targets (x86-64, arm64). A BYTES tensor's
+binary data are its elements in row-major order, each a 4-byte little-endian length and then
+its bytes; in JSON its data are strings.
+
+An input declared `batchable: false` has no batch dimension: it does not count a request's rows,
+and model metadata marks it with `parameters: {"batchable": false}`.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from batchserve.api.tensors import (
     from_binary,
     from_json,
     output_array,
+    output_data,
+    output_json,
     shape_text,
     show,
 )
@@ -92,7 +99,12 @@ class _Signature:
     @classmethod
     def of(cls, runner: RunnerConfig) -> _Signature:
         def describe(spec: TensorSpec) -> dict[str, Any]:
-            return {"name": spec.name, "datatype": spec.datatype, "shape": spec.shape}
+            tensor: dict[str, Any] = {
+                "name": spec.name, "datatype": spec.datatype, "shape": spec.shape
+            }
+            if not spec.batchable:
+                tensor["parameters"] = {"batchable": False}
+            return tensor
 
         document = {
             "name": runner.name,
@@ -290,9 +302,11 @@ def _decode_inputs(
 def _rows(inputs: dict[str, np.ndarray], runner: RunnerConfig) -> int:
     if runner.layout != "rows":
         return _sequence(inputs, runner)
-    dim = runner.batch_dim[0]
+    dim, unbatched = runner.batch_dim[0], runner.unbatched
     first, rows = "", -1
     for name, array in inputs.items():
+        if name in unbatched:
+            continue
         count = array.shape[dim]
         if count == 0:
             raise BadRequest(f"input {name!r} has 0 rows (dimension {dim}); expected at least 1")
@@ -393,7 +407,7 @@ def encode_infer(
     signature = _signature(runner)
     dim = runner.batch_dim[1]
     tensors: list[dict[str, Any]] = []
-    blobs: list[memoryview] = []
+    blobs: list[bytes | memoryview] = []
     for wanted in request.outputs:
         spec = signature.outputs[wanted.name]
         array = output_array(model_name, spec, outputs.get(wanted.name), request.rows, dim)
@@ -403,10 +417,11 @@ def encode_infer(
             "shape": array.shape,
         }
         if wanted.binary:
-            tensor["parameters"] = {"binary_data_size": array.nbytes}
-            blobs.append(array.data.cast("B"))
+            blob = output_data(spec, array)
+            tensor["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
         else:
-            tensor["data"] = array.reshape(-1)  # flat, row-major, as the v2 spec writes it
+            tensor["data"] = output_json(model_name, spec, array)
         tensors.append(tensor)
     response: dict[str, Any] = {"model_name": model_name, "model_version": MODEL_VERSION}
     if request.id is not None:

@@ -1,7 +1,11 @@
 """The supervisor: starts runner processes, then API workers, and keeps them all alive.
 
 Runners start first and each must answer a ping (model loaded, calibrated) before any API
-worker starts; the API socket is bound once here and shared with every worker. Signal
+worker starts. A runner whose configuration lists `addresses` runs elsewhere (`batchserve
+runner`) and is not started here: the API workers connect to those addresses, and start-up
+waits for the workers' liveness instead of readiness, since a runner on another host may come
+later (until it does, its requests get 503). `--api-only` asserts that every runner is such.
+The API socket is bound once here and shared with every worker. Signal
 handlers only note the signal; the main loop acts on it. A child that dies is replaced;
 its in-flight requests were already answered 503 by the API worker that lost the
 connection. Every duration comes from the configuration's `timeouts`.
@@ -33,8 +37,10 @@ import orjson
 from prometheus_client import multiprocess
 
 from batchserve.runner.config import Config
+from batchserve.runner.handshake import Refused, greet
+from batchserve.runner.security import Credentials
 from batchserve.runner.timeouts import Timeouts
-from batchserve.runner.wire import Address, FrameReader, Ping, Pong, decode, encode
+from batchserve.runner.wire import Address, FrameSocket, Ping, Pong, WireError
 
 log = logging.getLogger("batchserve")
 POLL_S = 0.05  # how often start-up checks its children; signals wake every wait at once
@@ -61,6 +67,7 @@ class Child:
     env: dict[str, str]
     pass_fds: tuple[int, ...] = ()
     address: Address | None = None
+    runner: str | None = None  # the runner a runner process serves
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     restarts: int = 0
@@ -97,8 +104,9 @@ class Child:
             self.process.send_signal(signum)
 
 
-def probe(address: Address, timeout: float) -> bool:
-    """Whether a runner answers a ping: it is loaded, calibrated and listening."""
+def probe(address: Address, timeout: float, runner: str, token: bytes | None = None) -> bool:
+    """Whether a runner answers a ping after the handshake: it is loaded, calibrated and
+    listening."""
     family = socket.AF_UNIX if address.scheme == "unix" else socket.AF_INET
     target: str | tuple[str, int] = address.target
     if address.scheme == "tcp":
@@ -108,22 +116,18 @@ def probe(address: Address, timeout: float) -> bool:
         with socket.socket(family, socket.SOCK_STREAM) as connection:
             connection.settimeout(timeout)
             connection.connect(target)
-            connection.sendall(b"".join(bytes(chunk) for chunk in encode(Ping(1))))
-            reader = FrameReader()
-            while True:
-                data = connection.recv(4096)
-                if not data:
-                    return False
-                for body in reader.feed(data):
-                    return isinstance(decode(body), Pong)
-    except OSError:
+            frames = FrameSocket(connection)
+            greet(frames, runner, token)
+            frames.send(Ping(1))
+            return isinstance(frames.receive(), Pong)
+    except (OSError, Refused, WireError):
         return False
 
 
-def http_ready(host: str, port: int, timeout: float) -> bool:
+def http_ready(host: str, port: int, timeout: float, path: str = "/v2/health/ready") -> bool:
     connection = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        connection.request("GET", "/v2/health/ready")
+        connection.request("GET", path)
         return connection.getresponse().status == 200
     except OSError:
         return False
@@ -143,6 +147,7 @@ class Supervisor:
     signals: list[int] = field(default_factory=list)
     wake: threading.Event = field(default_factory=threading.Event)
     metrics_dir: Path | None = None
+    keys: Credentials = field(default_factory=Credentials)
 
     @property
     def timeouts(self) -> Timeouts:
@@ -185,6 +190,8 @@ class Supervisor:
     def _start(self, folder: Path) -> socket.socket:
         config_arg = str(self.config_path.resolve())
         for runner in self.config.runners.values():
+            if runner.addresses:  # served apart, by `batchserve runner`
+                continue
             for index in range(runner.workers):
                 address = Address("unix", str(folder / f"{runner.name}-{index}.sock"))
                 self.runners.append(Child(
@@ -192,6 +199,7 @@ class Supervisor:
                     [sys.executable, "-m", "batchserve.runner", "--config", config_arg,
                      "--runner", runner.name, "--address", str(address)],
                     self._environment(folder, runner.threads), address=address,
+                    runner=runner.name,
                 ))
         for child in self.runners:
             child.start()
@@ -199,7 +207,7 @@ class Supervisor:
         listener = self._bind()
         addresses: dict[str, list[str]] = {}
         for runner in self.config.runners.values():
-            addresses[runner.name] = [
+            addresses[runner.name] = [str(a) for a in runner.addresses] or [
                 str(c.address) for c in self.runners if c.name.startswith(f"runner {runner.name}[")
             ]
         for index in range(self.api_workers):
@@ -224,13 +232,16 @@ class Supervisor:
             for child in list(waiting):
                 if not child.alive:
                     raise StartupError(f"{child.name} exited while starting (see its log above)")
-                assert child.address is not None
-                if probe(child.address, self.timeouts.ping_timeout_s):
+                if self._probe(child):
                     waiting.remove(child)
             if time.monotonic() > deadline:
                 names = ", ".join(child.name for child in waiting)
                 raise StartupError(f"{names} not ready within {limit:g} s")
             self.wake.wait(POLL_S)
+
+    def _probe(self, child: Child) -> bool:
+        assert child.address is not None and child.runner is not None
+        return probe(child.address, self.timeouts.ping_timeout_s, child.runner, self.keys.token)
 
     def _bind(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -251,7 +262,9 @@ class Supervisor:
         limit = self.timeouts.api_start_s
         deadline = time.monotonic() + limit
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        while not http_ready(host, self.port, self.timeouts.ping_timeout_s):
+        remote = any(runner.addresses for runner in self.config.runners.values())
+        path = "/v2/health/live" if remote else "/v2/health/ready"
+        while not http_ready(host, self.port, self.timeouts.ping_timeout_s, path):
             if self.signals:
                 raise StartupError("stopped by a signal while API workers were starting")
             if not all(child.alive for child in self.apis):
@@ -286,7 +299,7 @@ class Supervisor:
             for child in list(self.runners):
                 if child.address is None or not child.alive:
                     continue
-                if probe(child.address, self.timeouts.ping_timeout_s):
+                if self._probe(child):
                     child.answered, child.unanswered = True, 0
                 elif child.answered:
                     child.unanswered += 1

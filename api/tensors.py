@@ -7,18 +7,24 @@ subtle checks are. Tensor data never passes through a per-element Python loop: J
 read-only), and every value must fit the input's datatype in kind and range; a disagreement is a
 `BadRequest` that names the input and what was expected. A model output that disagrees with its
 signature is the server's bug, a `BatchserveError`.
+
+BYTES tensors are the exception to the no-loop rule, since each element is a string of its own
+length: in JSON their data are strings (sent as UTF-8), in binary each element is a 4-byte
+little-endian length followed by that many bytes, the layout of the v2 binary tensor extension.
+They become numpy object arrays of `bytes`.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any, Final, NoReturn
 
 import numpy as np
 
 from batchserve.api.errors import BadRequest, BatchserveError
 from batchserve.runner.config import TensorSpec
-from batchserve.runner.types import DATATYPES
+from batchserve.runner.types import BYTES, DATATYPES
 
 __all__ = [
     "HEADER_LENGTH",
@@ -29,6 +35,8 @@ __all__ = [
     "from_binary",
     "from_json",
     "output_array",
+    "output_data",
+    "output_json",
     "shape_text",
     "show",
 ]
@@ -42,6 +50,8 @@ MISSING: Final = object()
 # numpy kinds that `np.asarray` may infer from JSON data, accepted for each kind of datatype.
 _ACCEPTED_KINDS = {"f": "fiu", "i": "iu", "u": "iu", "b": "b"}
 _KIND_WORDS = {"f": "numbers", "i": "integers", "u": "integers", "b": "booleans (true/false)"}
+# A BYTES element's length prefix in binary data.
+_LENGTH: Final = struct.Struct("<I")
 
 
 # --- error messages -----------------------------------------------------------------------------
@@ -92,8 +102,7 @@ def check_datatype(spec: TensorSpec, value: Any) -> None:
     if value == spec.datatype:
         return
     shown = value if isinstance(value, str) else show(value)
-    note = " (BYTES tensors are not supported)" if value == "BYTES" else ""
-    raise BadRequest(f"input {spec.name!r} has datatype {shown}; expected {spec.datatype}{note}")
+    raise BadRequest(f"input {spec.name!r} has datatype {shown}; expected {spec.datatype}")
 
 
 # --- binary tensor data -------------------------------------------------------------------------
@@ -134,6 +143,8 @@ def from_binary(
     name = spec.name
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise BadRequest(f"input {name!r} has binary_data_size {show(size)}; expected a byte count")
+    if spec.dtype == BYTES:
+        return _bytes_from_binary(spec, shape, size, binary)
     count = math.prod(shape)
     expected = count * spec.dtype.itemsize
     if size != expected:
@@ -141,18 +152,54 @@ def from_binary(
             f"input {name!r} has binary_data_size {size}; expected {expected} bytes "
             f"for shape {shape_text(shape)} of {spec.datatype}"
         )
+    data = _no_header(name, binary)
+    offset = data.take(name, size)
+    if count == 0:
+        return np.zeros(shape, spec.dtype)
+    array = np.frombuffer(data.body, spec.dtype, count, offset).reshape(shape)
+    if spec.datatype == "BOOL" and array.view(np.uint8).max() > 1:
+        raise BadRequest(f"input {name!r} has BOOL bytes other than 0 and 1")
+    return array
+
+
+def _no_header(name: str, binary: BinaryData | None) -> BinaryData:
     if binary is None:
         raise BadRequest(
             f"input {name!r} has parameters.binary_data_size, but the request has no "
             f"{HEADER_LENGTH} header to delimit its binary data"
         )
-    offset = binary.take(name, size)
-    if count == 0:
-        return np.zeros(shape, spec.dtype)
-    array = np.frombuffer(binary.body, spec.dtype, count, offset).reshape(shape)
-    if spec.datatype == "BOOL" and array.view(np.uint8).max() > 1:
-        raise BadRequest(f"input {name!r} has BOOL bytes other than 0 and 1")
-    return array
+    return binary
+
+
+def _bytes_from_binary(
+    spec: TensorSpec, shape: tuple[int, ...], size: int, binary: BinaryData | None
+) -> np.ndarray:
+    """Read `count` elements of a 4-byte little-endian length and that many bytes."""
+    name, data = spec.name, _no_header(spec.name, binary)
+    body, start = data.body, data.take(spec.name, size)
+    end, offset = start + size, start
+    array = np.empty(math.prod(shape), object)
+    for i in range(array.size):
+        if offset + _LENGTH.size > end:
+            raise BadRequest(
+                f"input {name!r} has BYTES binary data that end inside the length of element "
+                f"{i}; its binary_data_size {size} holds {i} of the {array.size} elements"
+            )
+        (length,) = _LENGTH.unpack_from(body, offset)
+        offset += _LENGTH.size
+        if offset + length > end:
+            raise BadRequest(
+                f"input {name!r} has BYTES element {i} of {length} bytes, past the end of its "
+                f"binary data ({end - offset} bytes remain of binary_data_size {size})"
+            )
+        array[i] = body[offset : offset + length]
+        offset += length
+    if offset != end:
+        raise BadRequest(
+            f"input {name!r} has binary_data_size {size}; its {array.size} BYTES elements "
+            f"for shape {shape_text(shape)} use {offset - start}"
+        )
+    return array.reshape(shape)
 
 
 # --- JSON tensor data ---------------------------------------------------------------------------
@@ -179,6 +226,8 @@ def from_json(spec: TensorSpec, shape: tuple[int, ...], data: Any) -> np.ndarray
         )
     if not isinstance(data, list):
         raise BadRequest(f"input {name!r} has data {show(data)}; expected a list")
+    if spec.dtype == BYTES:
+        return _bytes_from_json(spec, shape, data)
     try:
         raw = np.asarray(data)
     except ValueError:
@@ -186,7 +235,16 @@ def from_json(spec: TensorSpec, shape: tuple[int, ...], data: Any) -> np.ndarray
             f"input {name!r} has nested data of uneven lengths; expected a flat list or "
             f"lists nested as its shape {shape_text(shape)}"
         ) from None
-    count = math.prod(shape)
+    _check_layout(spec, shape, raw)
+    # An empty list parses as float64: nothing to check, `_convert` casts it.
+    if raw.size and (raw.dtype.kind == "O" or (raw.dtype.kind == "f" and spec.dtype.kind in "iu")):
+        raw = _big_integers(spec, data)
+    return _convert(spec, raw).reshape(shape)
+
+
+def _check_layout(spec: TensorSpec, shape: tuple[int, ...], raw: np.ndarray) -> None:
+    """The data hold as many elements as the shape, flat or nested as the shape."""
+    name, count = spec.name, math.prod(shape)
     if raw.size != count:
         raise BadRequest(
             f"input {name!r} has {raw.size} data elements; its shape {shape_text(shape)} "
@@ -197,10 +255,27 @@ def from_json(spec: TensorSpec, shape: tuple[int, ...], data: Any) -> np.ndarray
             f"input {name!r} has data nested as {shape_text(raw.shape)}; expected a flat list "
             f"or lists nested as its shape {shape_text(shape)}"
         )
-    # An empty list parses as float64: nothing to check, `_convert` casts it.
-    if raw.size and (raw.dtype.kind == "O" or (raw.dtype.kind == "f" and spec.dtype.kind in "iu")):
-        raw = _big_integers(spec, data)
-    return _convert(spec, raw).reshape(shape)
+
+
+def _bytes_from_json(spec: TensorSpec, shape: tuple[int, ...], data: list[Any]) -> np.ndarray:
+    """BYTES data are JSON strings, each sent to the model as its UTF-8 bytes."""
+    try:
+        raw = np.array(data, dtype=object)  # lists nested unevenly stay lists, refused below
+    except ValueError:
+        raise BadRequest(
+            f"input {spec.name!r} has nested data of uneven lengths; expected a flat list or "
+            f"lists nested as its shape {shape_text(shape)}"
+        ) from None
+    encoded = np.empty(raw.shape, object)
+    for index, item in np.ndenumerate(raw):
+        if type(item) is not str:
+            raise BadRequest(
+                f"input {spec.name!r} has data that are not all strings; expected BYTES "
+                "values as JSON strings"
+            )
+        encoded[index] = item.encode()
+    _check_layout(spec, shape, encoded)
+    return encoded.reshape(shape)
 
 
 def _big_integers(spec: TensorSpec, data: list[Any]) -> np.ndarray:
@@ -261,7 +336,7 @@ def output_array(
         raise BatchserveError(f"model {model!r} returned no output {spec.name!r}")
     array = np.asarray(value)
     if array.dtype != spec.dtype:
-        if not np.can_cast(array.dtype, spec.dtype, "same_kind"):
+        if spec.dtype == BYTES or not np.can_cast(array.dtype, spec.dtype, "same_kind"):
             raise BatchserveError(
                 f"model {model!r} returned output {spec.name!r} as {array.dtype}; its "
                 f"signature says {spec.datatype}"
@@ -274,3 +349,24 @@ def output_array(
             f"expected {shape_text(spec.shape)} with {rows} rows in dimension {dim}"
         )
     return np.ascontiguousarray(array)
+
+
+def output_data(spec: TensorSpec, array: np.ndarray) -> bytes | memoryview:
+    """An output's binary data: raw elements, or length-prefixed elements for BYTES."""
+    if spec.dtype != BYTES:
+        return array.data.cast("B")
+    return b"".join([part for item in array.flat for part in (_LENGTH.pack(len(item)), item)])
+
+
+def output_json(model: str, spec: TensorSpec, array: np.ndarray) -> Any:
+    """An output's JSON data, flat and row-major as the v2 protocol writes it; BYTES as
+    strings, which JSON can only carry for UTF-8 text."""
+    if spec.dtype != BYTES:
+        return array.reshape(-1)
+    try:
+        return [item.decode() for item in array.flat]
+    except UnicodeDecodeError:
+        raise BadRequest(
+            f"output {spec.name!r} of model {model!r} holds bytes that are not UTF-8, which "
+            "JSON cannot carry; ask for it with parameters.binary_data: true"
+        ) from None

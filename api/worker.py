@@ -25,6 +25,7 @@ import uvicorn
 
 from batchserve.api.app import App, create_app
 from batchserve.runner.config import load
+from batchserve.runner.security import credentials
 from batchserve.runner.wire import Address
 
 log = logging.getLogger("batchserve.api")
@@ -81,7 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         name: [Address.parse(text) for text in texts]
         for name, texts in orjson.loads(args.runners).items()
     }
-    app = create_app(config, addresses)
+    keys = credentials(config)
+    for address in (a for texts in addresses.values() for a in texts):
+        keys.check(address)
+    app = create_app(config, addresses, keys)
     listener = socket.socket(fileno=args.fd)
     timeouts = config.timeouts
     server = DrainingServer(uvicorn.Config(

@@ -2,27 +2,43 @@
 
 Requests are joined along the input batch dimension and each gets back the slice of every
 output, along the output batch dimension, that matches its own number of rows.
+
+Inputs declared `batchable: false` (named in `unbatched`) are never joined: the model gets a
+`PerRequest` list with each request's array as it came, one item per request whatever its
+number of rows, and a request cut into pieces gives every piece the whole array. Outputs are
+split by rows as usual, so the model answers row by row even for such inputs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from itertools import accumulate
 
 import numpy as np
 
-from batchserve.runner.types import Tensors
+from batchserve.runner.types import ModelInputs, PerRequest, Tensors
 
 
-def rows(tensors: Tensors, dim: int) -> int:
+def rows(tensors: Tensors, dim: int, unbatched: Collection[str] = ()) -> int:
     """The batch size of a request: its length along the batch dimension."""
-    return next(iter(tensors.values())).shape[dim]
+    return next(a for name, a in tensors.items() if name not in unbatched).shape[dim]
 
 
 def concatenate(parts: Sequence[Tensors], dim: int) -> Tensors:
     if len(parts) == 1:
         return parts[0]
     return {name: np.concatenate([part[name] for part in parts], axis=dim) for name in parts[0]}
+
+
+def join(parts: Sequence[Tensors], dim: int, unbatched: Collection[str] = ()) -> ModelInputs:
+    """A batch's model inputs: batchable ones concatenated, the others one item a request."""
+    if not unbatched:
+        return dict(concatenate(parts, dim))
+    sizes = tuple(rows(part, dim, unbatched) for part in parts)
+    batchable = [{k: a for k, a in part.items() if k not in unbatched} for part in parts]
+    joined = concatenate(batchable, dim)
+    return {name: PerRequest([part[name] for part in parts], sizes) if name in unbatched
+            else joined[name] for name in parts[0]}
 
 
 def split(outputs: Tensors, sizes: Sequence[int], dim: int) -> list[Tensors]:
@@ -41,11 +57,15 @@ def split(outputs: Tensors, sizes: Sequence[int], dim: int) -> list[Tensors]:
     return [{name: pieces[name][i] for name in outputs} for i in range(len(sizes))]
 
 
-def chunk(tensors: Tensors, dim: int, size: int) -> list[Tensors]:
-    """Cut a request larger than the batch cap into pieces of at most `size` rows (views)."""
-    total = rows(tensors, dim)
+def chunk(
+    tensors: Tensors, dim: int, size: int, unbatched: Collection[str] = ()
+) -> list[Tensors]:
+    """Cut a request larger than the batch cap into pieces of at most `size` rows (views);
+    every piece keeps the whole of each unbatched input."""
+    total = rows(tensors, dim, unbatched)
     lead = (slice(None),) * dim
     return [
-        {name: array[(*lead, slice(start, start + size))] for name, array in tensors.items()}
+        {name: array if name in unbatched else array[(*lead, slice(start, start + size))]
+         for name, array in tensors.items()}
         for start in range(0, total, size)
     ]

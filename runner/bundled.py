@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from batchserve.runner.types import PerRequest
 
 
 def iris_classifier() -> Callable[[np.ndarray], np.ndarray]:
@@ -71,3 +74,27 @@ def mlp() -> object:
         for parameter in model.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
     return model.eval()
+
+
+
+def text_features(text: np.ndarray, separator: PerRequest) -> dict[str, np.ndarray]:
+    """Features of UTF-8 strings (BYTES rows), split into words at each request's separator.
+
+    `separator` is a non-batchable BYTES input: one array of one string per request, so
+    requests with different separators still batch together; an empty one (the default)
+    splits at any whitespace. Returns, per row, `features` (characters, UTF-8 bytes, words,
+    and a CRC-32 hash bucket in [0, 1)) and `normalized`, the non-empty words joined by
+    single spaces, as BYTES. Bytes that are not UTF-8 read as U+FFFD.
+    """
+    separators = separator.per_row()
+    features = np.empty((len(text), 4), np.float32)
+    normalized = np.empty(len(text), object)
+    for row, (raw, chosen) in enumerate(zip(text, separators, strict=True)):
+        decoded = raw.decode(errors="replace")
+        cut = bytes(chosen.reshape(-1)[0]).decode(errors="replace") or None
+        words = [word for word in decoded.split(cut) if word]
+        joined = " ".join(words).encode()
+        bucket = (zlib.crc32(joined) % 1024) / 1024
+        features[row] = (len(decoded), len(raw), len(words), bucket)
+        normalized[row] = joined
+    return {"features": features, "normalized": normalized}

@@ -20,6 +20,7 @@ import yaml
 
 from batchserve.runner.timeouts import Timeouts
 from batchserve.runner.types import DATATYPES
+from batchserve.runner.wire import ADDRESS_FORMS, Address
 
 
 class ConfigError(ValueError):
@@ -36,6 +37,8 @@ class TensorSpec:
     finite: bool = False  # the model cannot take NaN or infinity: refuse them with a 400
     layout: Layout = "rows"  # how requests of different lengths join (see `Layout`)
     pad_value: float = 0.0  # what fills a padded input past a request's own length
+    # False: requests are not joined on this input; the model gets one item per request.
+    batchable: bool = True
 
     @property
     def dtype(self) -> np.dtype[Any]:
@@ -90,6 +93,9 @@ class RunnerConfig:
     threads: int = 1
     batch_timeout_ms: float | None = None
     batch_inputs: tuple[BatchInput, ...] = ()
+    addresses: tuple[Address, ...] = ()
+    """Where this runner's processes listen when they run apart (`batchserve runner`); empty
+    when `batchserve serve` starts them itself."""
 
     @property
     def layout(self) -> Layout:
@@ -102,6 +108,11 @@ class RunnerConfig:
         pad inputs (`max_batch_elements`), rows otherwise (`max_batch_size`)."""
         elements = self.batching.max_batch_elements
         return self.batching.max_batch_size if elements is None else elements
+
+    @property
+    def unbatched(self) -> frozenset[str]:
+        """The inputs declared `batchable: false`, which the model gets as per-request lists."""
+        return frozenset(spec.name for spec in self.inputs if not spec.batchable)
 
     @property
     def batch_timeout_s(self) -> float:
@@ -123,11 +134,36 @@ class ApiConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """TLS for TCP links, as files (relative to the configuration's folder). A runner serves
+    with its certificate and, given `api_ca`, requires API workers to show one it signed; an
+    API worker checks runners against `runner_ca` and shows its own certificate if it has one."""
+
+    runner_cert: Path | None = None
+    runner_key: Path | None = None
+    runner_ca: Path | None = None
+    api_cert: Path | None = None
+    api_key: Path | None = None
+    api_ca: Path | None = None
+    server_name: str | None = None  # the name runner certificates carry; default each host
+
+
+@dataclass(frozen=True, slots=True)
+class TransportConfig:
+    """How API workers and runners trust each other (see `batchserve.runner.security`)."""
+
+    token_file: Path | None = None
+    insecure: bool = False  # TCP without a token: only on a network nobody else can reach
+    tls: TlsConfig | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     runners: Mapping[str, RunnerConfig]
     api: ApiConfig = field(default_factory=ApiConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     root: Path = Path(".")
+    transport: TransportConfig = field(default_factory=TransportConfig)
 
 
 # --- readers: each checks one value and says what it expected ---------------------------------
@@ -174,10 +210,9 @@ def _str(key: str, value: Any) -> str:
     return value
 
 
-def _tensor(key: str, value: Any, variable: bool = False) -> TensorSpec:
-    """One tensor; `variable` allows the input-only keys `ragged` and `pad`."""
-    allowed = {"name", "datatype", "shape", "finite"} | ({"ragged", "pad"} if variable else set())
-    raw = _mapping(key, value, allowed)
+def _tensor(key: str, value: Any, keys: set[str]) -> TensorSpec:
+    """One tensor, with only the keys in `keys` (inputs have a few more than outputs)."""
+    raw = _mapping(key, value, keys)
     for required in ("name", "datatype", "shape"):
         if required not in raw:
             raise ConfigError(f"{key}.{required} is missing")
@@ -194,8 +229,15 @@ def _tensor(key: str, value: Any, variable: bool = False) -> TensorSpec:
     if finite and DATATYPES[datatype].kind != "f":
         raise _fail(f"{key}.finite", finite, f"false for {datatype}, which cannot hold NaN")
     layout, pad_value = _layout(key, raw, datatype)
+    batchable = _bool(f"{key}.batchable", raw.get("batchable", True))
+    if not batchable and layout != "rows":
+        raise ConfigError(
+            f"{key} has batchable: false and {layout}; an input of variable length is joined "
+            "across requests, so it cannot also be given to the model per request"
+        )
     return TensorSpec(
-        _str(f"{key}.name", raw["name"]), datatype, tuple(shape), finite, layout, pad_value
+        _str(f"{key}.name", raw["name"]), datatype, tuple(shape), finite,
+        layout=layout, pad_value=pad_value, batchable=batchable,
     )
 
 
@@ -208,6 +250,9 @@ def _layout(key: str, raw: Mapping[str, Any], datatype: str) -> tuple[Layout, fl
     if not ragged and pad is None:
         return "rows", 0.0
     layout: Layout = "ragged" if ragged else "pad"
+    if DATATYPES[datatype].kind == "O":
+        raise _fail(f"{key}.datatype", datatype, f"a datatype other than BYTES for a {layout} "
+                    "input (one sequence of numbers a request)")
     if raw["shape"] != [-1]:
         raise _fail(f"{key}.shape", raw["shape"], f"[-1] for a {layout} input: one flat "
                     "sequence a request, its length the dimension that varies")
@@ -221,13 +266,28 @@ def _layout(key: str, raw: Mapping[str, Any], datatype: str) -> tuple[Layout, fl
     return "pad", float(value)
 
 
-def _tensors(key: str, value: Any, variable: bool = False) -> tuple[TensorSpec, ...]:
+TENSOR_KEYS = {"name", "datatype", "shape", "finite"}
+INPUT_KEYS = TENSOR_KEYS | {"batchable", "ragged", "pad"}
+
+
+def _tensors(key: str, value: Any, keys: set[str] = TENSOR_KEYS) -> tuple[TensorSpec, ...]:
     if not isinstance(value, list) or not value:
         raise _fail(key, value, "a non-empty list of tensors {name, datatype, shape}")
-    specs = tuple(_tensor(f"{key}[{i}]", item, variable) for i, item in enumerate(value))
+    specs = tuple(_tensor(f"{key}[{i}]", item, keys) for i, item in enumerate(value))
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise _fail(key, names, "a list of tensors with distinct names")
+    return specs
+
+
+def _inputs(key: str, value: Any) -> tuple[TensorSpec, ...]:
+    """The inputs; at least one is batchable, since a request's rows are counted on those."""
+    specs = _tensors(key, value, INPUT_KEYS)
+    if all(not spec.batchable for spec in specs):
+        raise ConfigError(
+            f"{key} has only inputs with batchable: false; at least one input must be "
+            "batchable, to count each request's rows"
+        )
     return specs
 
 
@@ -261,6 +321,8 @@ def _batch_dim(key: str, value: Any, runner: RunnerConfig) -> tuple[int, int]:
         (("inputs", runner.inputs), ("outputs", runner.outputs)), dims, strict=True
     ):
         for spec in specs:
+            if not spec.batchable:  # it has no batch dimension: each request brings its own
+                continue
             if dim >= len(spec.shape) or spec.shape[dim] != -1:
                 raise ConfigError(
                     f"{key} has value {list(value)!r}; {spec_key} tensor {spec.name!r} with "
@@ -271,7 +333,7 @@ def _batch_dim(key: str, value: Any, runner: RunnerConfig) -> tuple[int, int]:
 
 RUNNER_KEYS = {
     "model", "workers", "batching", "inputs", "outputs", "batch_dim", "threads",
-    "batch_timeout_ms", "batch_inputs",
+    "batch_timeout_ms", "batch_inputs", "addresses",
 }
 
 
@@ -279,6 +341,12 @@ def _variable_length(key: str, runner: RunnerConfig) -> None:
     """Ragged and pad inputs: one layout for every input, and a cap stated in elements."""
     varying = next((spec for spec in runner.inputs if spec.layout != "rows"), None)
     for i, spec in enumerate(runner.inputs):
+        if varying is not None and not spec.batchable:
+            raise ConfigError(
+                f"{key}.inputs[{i}] ({spec.name!r}) has batchable: false; since input "
+                f"{varying.name!r} is {varying.layout}, every input is joined across requests "
+                "and none may be batchable: false"
+            )
         if varying is not None and spec.layout != varying.layout:
             raise ConfigError(
                 f"{key}.inputs[{i}] ({spec.name!r}) is {_layout_text(spec.layout)}; since "
@@ -350,6 +418,21 @@ def _batch_inputs(key: str, value: Any, runner: RunnerConfig) -> tuple[BatchInpu
     return made
 
 
+def _addresses(key: str, value: Any) -> tuple[Address, ...]:
+    if not isinstance(value, list) or not value:
+        raise _fail(key, value, "a non-empty list of addresses such as tcp:10.0.0.5:7000 "
+                    "or dns+tcp:runners.example:7000")
+    addresses = []
+    for i, text in enumerate(value):
+        try:
+            addresses.append(Address.parse(_str(f"{key}[{i}]", text)))
+        except ValueError:
+            raise _fail(f"{key}[{i}]", text, f"an address {ADDRESS_FORMS}") from None
+    if len(set(addresses)) != len(addresses):
+        raise _fail(key, value, "a list of distinct addresses")
+    return tuple(addresses)
+
+
 def _runner(key: str, name: str, value: Any) -> RunnerConfig:
     raw = _mapping(key, value, RUNNER_KEYS)
     for required in ("model", "inputs", "outputs"):
@@ -361,13 +444,15 @@ def _runner(key: str, name: str, value: Any) -> RunnerConfig:
     runner = RunnerConfig(
         name=name,
         model=model,
-        inputs=_tensors(f"{key}.inputs", raw["inputs"], variable=True),
+        inputs=_inputs(f"{key}.inputs", raw["inputs"]),
         outputs=_tensors(f"{key}.outputs", raw["outputs"]),
         workers=_int(f"{key}.workers", raw.get("workers", 1), 1),
         batching=_batching(f"{key}.batching", raw.get("batching", {})),
         threads=_int(f"{key}.threads", raw.get("threads", 1), 1),
         batch_timeout_ms=(None if raw.get("batch_timeout_ms") is None
                           else _positive(f"{key}.batch_timeout_ms", raw["batch_timeout_ms"])),
+        addresses=(_addresses(f"{key}.addresses", raw["addresses"]) if "addresses" in raw
+                   else ()),
     )
     batch_dim = _batch_dim(f"{key}.batch_dim", raw.get("batch_dim", [0, 0]), runner)
     _variable_length(key, runner)
@@ -414,9 +499,39 @@ def _timeouts(key: str, value: Any) -> Timeouts:
         raise ConfigError(str(exc)) from None
 
 
+TLS_PAIRS = (("runner_cert", "runner_key"), ("api_cert", "api_key"))
+
+
+def _path(key: str, value: Any, root: Path) -> Path:
+    return root / _str(key, value)
+
+
+def _tls(key: str, value: Any, root: Path) -> TlsConfig:
+    raw = _mapping(key, value, {item.name for item in fields(TlsConfig)})
+    for cert, secret in TLS_PAIRS:
+        if (cert in raw) != (secret in raw):
+            have, lack = (cert, secret) if cert in raw else (secret, cert)
+            raise ConfigError(f"{key}.{have} is set but {key}.{lack} is missing; give both")
+    paths = {name: _path(f"{key}.{name}", given, root)
+             for name, given in raw.items() if name != "server_name"}
+    name = raw.get("server_name")
+    return TlsConfig(**paths, server_name=None if name is None
+                     else _str(f"{key}.server_name", name))
+
+
+def _transport(key: str, value: Any, root: Path) -> TransportConfig:
+    raw = _mapping(key, value, {"token_file", "insecure", "tls"})
+    token_file = raw.get("token_file")
+    return TransportConfig(
+        token_file=None if token_file is None else _path(f"{key}.token_file", token_file, root),
+        insecure=_bool(f"{key}.insecure", raw.get("insecure", False)),
+        tls=None if raw.get("tls") is None else _tls(f"{key}.tls", raw["tls"], root),
+    )
+
+
 def parse(document: Any, root: Path = Path(".")) -> Config:
     """Build a `Config` from a loaded YAML document, or raise `ConfigError`."""
-    raw = _mapping("configuration", document, {"runners", "api", "timeouts"})
+    raw = _mapping("configuration", document, {"runners", "api", "timeouts", "transport"})
     runners = raw.get("runners")
     if not isinstance(runners, Mapping) or not runners:
         raise _fail("runners", runners, "a mapping of at least one runner name to its settings")
@@ -430,6 +545,7 @@ def parse(document: Any, root: Path = Path(".")) -> Config:
         api=_api("api", raw.get("api", {})),
         timeouts=_timeouts("timeouts", raw.get("timeouts", {})),
         root=root,
+        transport=_transport("transport", raw.get("transport", {}), root),
     )
 
 

@@ -34,7 +34,7 @@ from batchserve.runner.latency_model import Timing
 from batchserve.runner.metrics import RunnerMetrics
 from batchserve.runner.models import Model
 from batchserve.runner.policy import Batch, Policy, Request
-from batchserve.runner.types import Tensors
+from batchserve.runner.types import BYTES, ModelInputs, Tensors
 from batchserve.runner.wire import FailureCode
 
 log = logging.getLogger(__name__)
@@ -109,20 +109,41 @@ def _pin_threads(threads: int) -> None:
 
 
 def synthetic_inputs(runner: RunnerConfig, rows: int, seed: int = 0) -> Tensors:
-    """Rows shaped like the declared inputs, for timing the model before it serves; for
-    ragged or pad inputs, `rows` counts elements (a batch of several requests)."""
+    """Rows shaped like the declared inputs, for timing the model before it serves.
+
+    Floats are random, other numbers zero, BYTES rows lowercase ASCII words (valid UTF-8).
+    A non-batchable input gets one empty value (zeros, or b"" for BYTES), the neutral
+    choice for a parameter: the model should read it as its default. For ragged or pad
+    inputs, `rows` counts elements: a batch of several requests, already joined.
+    """
     if runner.layout != "rows":
         return ragged.join(runner, ragged.synthetic(runner, rows, seed))
     generator = np.random.default_rng(seed)
     dim = runner.batch_dim[0]
     tensors: Tensors = {}
     for spec in runner.inputs:
+        if not spec.batchable:
+            shape = [max(d, 1) for d in spec.shape]
+            tensors[spec.name] = np.full(shape, b"", object) if spec.dtype == BYTES else (
+                np.zeros(shape, dtype=spec.dtype))
+            continue
         shape = [rows if i == dim else max(d, 1) for i, d in enumerate(spec.shape)]
         if spec.dtype.kind == "f":
             tensors[spec.name] = generator.standard_normal(shape).astype(spec.dtype)
+        elif spec.dtype == BYTES:
+            tensors[spec.name] = _words(generator, shape)
         else:
             tensors[spec.name] = np.zeros(shape, dtype=spec.dtype)
     return tensors
+
+
+def _words(generator: np.random.Generator, shape: list[int]) -> np.ndarray:
+    """BYTES elements of 4 to 32 lowercase letters."""
+    words = np.empty(shape, object)
+    for index in np.ndindex(*shape):
+        letters = generator.integers(ord("a"), ord("z") + 1, generator.integers(4, 33))
+        words[index] = letters.astype(np.uint8).tobytes()
+    return words
 
 
 class Dispatcher:
@@ -184,7 +205,7 @@ class Dispatcher:
 
     def _time(self, rows: int, tensors: Tensors) -> Timing:
         started, cpu = self.clock(), self.cpu_clock()
-        self.model(tensors)
+        self.model(batching.join([tensors], self.runner.batch_dim[0], self.runner.unbatched))
         return Timing(rows, self.clock() - started, self.cpu_clock() - cpu)
 
     @property
@@ -218,22 +239,24 @@ class Dispatcher:
             self._reply(reply, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
             return
         now = self.clock()
-        limit_s = min(budget_s, self.max_latency_s)
-        deadline = now + limit_s
+        deadline = now + min(budget_s, self.max_latency_s)
         if self.runner.layout != "rows":
             self._submit_sequence(_Job(tensors, reply, started=started), now, deadline)
             return
-        rows = batching.rows(tensors, self.runner.batch_dim[0])
-        if self._least_time_s(rows) > limit_s:
-            self._reply(reply, self._too_large(rows, limit_s))
+        in_dim, unbatched = self.runner.batch_dim[0], self.runner.unbatched
+        rows = batching.rows(tensors, in_dim, unbatched)
+        # Judged against the runner's own limit, not what is left of it: time lost on the way
+        # here is a passing delay, and a request that fits an idle model may run later.
+        if self._least_time_s(rows) > self.max_latency_s:
+            self._reply(reply, self._too_large(rows))
             return
         if rows <= self.cap:
             self._offer(_Job(tensors, reply, started=started, rows=rows), rows, now, deadline)
             return
-        pieces = batching.chunk(tensors, self.runner.batch_dim[0], self.cap)
+        pieces = batching.chunk(tensors, in_dim, self.cap, unbatched)
         whole = _Whole(reply, [None] * len(pieces), len(pieces))
         for index, piece in enumerate(pieces):
-            size = batching.rows(piece, self.runner.batch_dim[0])
+            size = batching.rows(piece, in_dim, unbatched)
             self._offer(_Job(piece, reply, whole, index, started, size), size, now, deadline)
 
     def _submit_sequence(self, job: _Job, now: float, deadline: float) -> None:
@@ -245,8 +268,8 @@ class Dispatcher:
                 f"most {self.cap} in a batch (its max_batch_elements)"
             )))
             return
-        if self._least_time_s(size) > deadline - now:
-            self._reply(job.reply, self._too_large(size, deadline - now))
+        if self._least_time_s(size) > self.max_latency_s:  # as for rows: the runner's limit
+            self._reply(job.reply, self._too_large(size))
             return
         self._offer(job, size, now, deadline)
 
@@ -256,19 +279,18 @@ class Dispatcher:
         idle_time_s = self.policy.idle_time_s
         return full * idle_time_s(self.cap) + (idle_time_s(rest) if rest else 0.0)
 
-    def _too_large(self, rows: int, limit_s: float) -> Rejection:
+    def _too_large(self, rows: int) -> Rejection:
         """Why a request that no wait can help is refused, with the most rows that fit."""
         low, high = 0, rows  # the most rows that fit lies in [low, high)
         while high - low > 1:
             middle = (low + high) // 2
-            low, high = (middle, high) if self._least_time_s(middle) <= limit_s else (low, middle)
-        advice = (f"send at most {low} {self.unit} a request" if low else
-                  "no request fits: raise max_latency_ms, or the request's timeout")
+            fits = self._least_time_s(middle) <= self.max_latency_s
+            low, high = (middle, high) if fits else (low, middle)
+        advice = f"send at most {low} {self.unit} a request" if low else "raise max_latency_ms"
         return Rejection(FailureCode.TOO_LARGE, (
             f"{rows} {self.unit} need {self._least_time_s(rows) * 1000:.1f} ms on runner "
-            f"{self.runner.name!r} even when it is idle, by its current cost model, over the "
-            f"{limit_s * 1000:.1f} ms they may take (its max_latency_ms is "
-            f"{self.runner.batching.max_latency_ms:g}); {advice}"
+            f"{self.runner.name!r} even when it is idle, by its current cost model, over its "
+            f"max_latency_ms of {self.runner.batching.max_latency_ms:g}; {advice}"
         ))
 
     def _offer(self, job: _Job, rows: int, now: float, deadline: float) -> None:
@@ -386,11 +408,12 @@ class Dispatcher:
             log.exception("runner %s: a request of %d rows failed", self.runner.name, sizes[0])
             return [f"{type(exc).__name__}: {exc}"]
 
-    def _join(self, parts: list[Tensors]) -> Tensors:
-        """The model's inputs: rows stacked, or ragged and pad inputs with batch inputs."""
+    def _join(self, parts: list[Tensors]) -> ModelInputs:
+        """The model's inputs: rows stacked (unbatched inputs one item a request), or ragged
+        and pad inputs with their batch inputs."""
         if self.runner.layout == "rows":
-            return batching.concatenate(parts, self.runner.batch_dim[0])
-        return ragged.join(self.runner, parts)
+            return batching.join(parts, self.runner.batch_dim[0], self.runner.unbatched)
+        return dict(ragged.join(self.runner, parts))
 
     def _completed(self, batch: Batch, done: Future[_Outcome]) -> None:
         """Answer the batch's requests, then poll again, whatever answering raised."""

@@ -3,8 +3,11 @@
 `model` may name a factory (a class or a function without required parameters), a torch
 `nn.Module`, or any callable. Every one ends up as a `Model`: a function from named numpy
 batches to named numpy outputs. One input is passed positionally; several are passed as
-keyword arguments, batched key by key. An output may be one array, a tuple in the declared
-order, or a dict by name.
+keyword arguments, batched key by key. An input declared `batchable: false` comes as a
+`PerRequest` list, one item per request of the batch. An output may be one array, a tuple
+in the declared order, or a dict by name. BYTES tensors are numpy object arrays of `bytes`,
+for torch models too (torch has no string tensors); a BYTES output may also hold `str`
+elements, which are sent as UTF-8.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from batchserve.runner.config import Config, ConfigError, RunnerConfig, resolve
-from batchserve.runner.types import Tensors
+from batchserve.runner.types import BYTES, ModelInputs, PerRequest, Tensors
 
 
 class ModelError(RuntimeError):
@@ -51,7 +54,7 @@ class Model:
         self._names += [made.name for made in runner.batch_inputs]
         self._outputs = [spec for spec in runner.outputs]
 
-    def __call__(self, inputs: Tensors) -> Tensors:
+    def __call__(self, inputs: ModelInputs) -> Tensors:
         if self._torch:
             return self._call_torch(inputs)
         return self._collect(self._invoke(inputs))
@@ -61,11 +64,19 @@ class Model:
             return self._function(inputs[self._names[0]])
         return self._function(**inputs)
 
-    def _call_torch(self, inputs: Tensors) -> Tensors:
+    def _call_torch(self, inputs: ModelInputs) -> Tensors:
         import torch
 
+        def tensor(array: np.ndarray) -> Any:
+            return array if array.dtype == BYTES else torch.from_numpy(array)
+
+        def convert(value: np.ndarray | PerRequest) -> Any:
+            if isinstance(value, PerRequest):
+                return PerRequest([tensor(item) for item in value], value.rows)
+            return tensor(value)
+
         with torch.inference_mode():
-            result = self._invoke({name: torch.from_numpy(a) for name, a in inputs.items()})
+            result = self._invoke({name: convert(value) for name, value in inputs.items()})
             return self._collect(result)
 
     def _collect(self, result: Any) -> Tensors:
@@ -83,12 +94,30 @@ class Model:
 
     @staticmethod
     def _as_array(name: str, value: Any, dtype: np.dtype[Any]) -> np.ndarray:
+        if dtype == BYTES:
+            return _as_bytes(name, value)
         if hasattr(value, "detach"):
             value = value.detach().cpu().numpy()
         array = np.asarray(value)
         if array.dtype != dtype:
             array = array.astype(dtype)
         return array
+
+
+def _as_bytes(name: str, value: Any) -> np.ndarray:
+    """A BYTES output as an object array of `bytes`; `str` elements become UTF-8."""
+    array = np.array(value, dtype=object)  # a copy: the elements are replaced below
+    for index, item in np.ndenumerate(array):
+        if isinstance(item, str):
+            array[index] = item.encode()
+        elif type(item) is not bytes:
+            if not isinstance(item, bytes | bytearray | memoryview):
+                raise ModelError(
+                    f"model returned output {name!r} holding a {type(item).__name__}; "
+                    "BYTES outputs hold bytes or str"
+                )
+            array[index] = bytes(item)
+    return array
 
 
 def load(config: Config, runner: RunnerConfig) -> Model:

@@ -1,11 +1,14 @@
 """A runner process: one model, one dispatcher, listening for framed calls.
 
-Start one by itself with `python -m batchserve.runner --config configuration.yml --runner NAME
---address unix:/tmp/NAME.sock`; it knows nothing of HTTP. It answers pings once the model
-is loaded and calibrated, which is how a supervisor knows it is ready. SIGTERM or SIGINT
-stops accepting, lets queued and running batches finish for `timeouts.drain_s`, refuses what
-is left and exits 0, without waiting for a model call that is still running then (a thread
-cannot be stopped, and the process must not outlive its grace period).
+Start one by itself with `batchserve runner --config configuration.yml --runner NAME --listen
+tcp:0.0.0.0:7000` (or `python -m batchserve.runner`, or a unix socket address); it speaks HTTP
+only for its own metrics and health (`--metrics-port`, see `batchserve.runner.status`). Every
+connection opens with the handshake of `batchserve.runner.handshake` before any call; the
+runner listens once the model is loaded and calibrated, so an answered ping means ready.
+SIGTERM or SIGINT stops accepting, lets queued and running batches finish for
+`timeouts.drain_s`, refuses what is left and exits 0, without waiting for a model call that
+is still running then (a thread cannot be stopped, and the process must not outlive its grace
+period).
 """
 
 from __future__ import annotations
@@ -18,14 +21,19 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from batchserve.runner import models
 from batchserve.runner.config import Config, ConfigError, RunnerConfig, load
 from batchserve.runner.dispatcher import Dispatcher, Rejection
+from batchserve.runner.handshake import Refused, admit, opening
 from batchserve.runner.metrics import RunnerMetrics
 from batchserve.runner.policies import make_policy
 from batchserve.runner.policy import Policy
+from batchserve.runner.security import Credentials, credentials
+from batchserve.runner.status import StatusServer, status_server
+from batchserve.runner.timeouts import Timeouts
 from batchserve.runner.types import Tensors
 from batchserve.runner.wire import (
     Address,
@@ -33,16 +41,21 @@ from batchserve.runner.wire import (
     Failure,
     FailureCode,
     FrameReader,
+    Hello,
     Outbox,
     Ping,
     Pong,
     Result,
     Started,
+    Welcome,
     WireError,
     decode,
+    encode,
+    tune,
 )
 
 log = logging.getLogger("runner")
+DEFAULT_TIMEOUTS = Timeouts()
 
 
 def check_inputs(runner: RunnerConfig, tensors: Tensors) -> str | None:
@@ -50,8 +63,9 @@ def check_inputs(runner: RunnerConfig, tensors: Tensors) -> str | None:
     expected = {spec.name for spec in runner.inputs}
     if set(tensors) != expected:
         return f"inputs {sorted(tensors)} do not match the signature's {sorted(expected)}"
-    dim = runner.batch_dim[0]
-    batch = {array.shape[dim] if array.ndim > dim else -1 for array in tensors.values()}
+    dim, unbatched = runner.batch_dim[0], runner.unbatched
+    batch = {array.shape[dim] if array.ndim > dim else -1
+             for name, array in tensors.items() if name not in unbatched}
     for spec in runner.inputs:
         array = tensors[spec.name]
         if array.dtype != spec.dtype:
@@ -67,40 +81,72 @@ def check_inputs(runner: RunnerConfig, tensors: Tensors) -> str | None:
 
 
 class Connection(asyncio.BufferedProtocol):
-    """One client connection; calls are multiplexed on it by id and answered in any order."""
+    """One client connection; calls are multiplexed on it by id and answered in any order,
+    once the client has passed the handshake."""
 
-    def __init__(self, runner: RunnerConfig, dispatcher: Dispatcher, live: set[Connection]):
+    def __init__(self, runner: RunnerConfig, dispatcher: Dispatcher, live: set[Connection],
+                 token: bytes | None = None, timeouts: Timeouts = DEFAULT_TIMEOUTS) -> None:
         self.runner = runner
         self.dispatcher = dispatcher
         self.live = live
+        self.token = token
+        self.timeouts = timeouts
         self.reader = FrameReader()
         self.transport: asyncio.Transport | None = None
         self.outbox: Outbox | None = None
+        self.greeting: Hello | None = None  # this runner's Hello, until the client's passes
+        self.heard = time.monotonic()
+        self._overdue: asyncio.TimerHandle | None = None
         self._starting: list[int] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.outbox = Outbox(self.transport)  # type: ignore[arg-type]
         self.live.add(self)
+        tune(transport, self.timeouts.link_idle_s)
+        self.greeting = opening(self.runner.name, self.runner.batching.max_batch_size)
+        self.transport.writelines(encode(self.greeting))  # type: ignore[union-attr]
+        self._overdue = asyncio.get_running_loop().call_later(
+            self.timeouts.hello_timeout_s, self._hello_overdue)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.live.discard(self)
+        if self._overdue is not None:
+            self._overdue.cancel()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.heard = time.monotonic()
         try:
             for body in self.reader.buffer_updated(nbytes):
+                if self.transport is None or self.transport.is_closing():
+                    return
                 self._handle(decode(body))
         except WireError as exc:
             log.warning("runner %s: closing a connection: %s", self.runner.name, exc)
             if self.transport is not None:
                 self.transport.close()
 
+    def close(self, why: str) -> None:
+        """Log why, and drop this connection."""
+        log.warning("runner %s: closing the connection from %s: %s",
+                    self.runner.name, self._peer(), why)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _peer(self) -> str:
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        if isinstance(peer, tuple):
+            return f"{peer[0]}:{peer[1]}"
+        return "a local process"
+
     def _handle(self, message: object) -> None:
-        if isinstance(message, Call):
+        if self.greeting is not None:
+            self._admit(message)
+        elif isinstance(message, Call):
             problem = check_inputs(self.runner, message.tensors)
             if problem is not None:
                 self._send(Failure(message.id, FailureCode.INVALID, problem))
@@ -112,6 +158,30 @@ class Connection(asyncio.BufferedProtocol):
             self._send(Pong(message.id))
         else:
             raise WireError(f"a runner does not accept {type(message).__name__} frames")
+
+    def _admit(self, message: object) -> None:
+        assert self.greeting is not None and self.transport is not None
+        try:
+            welcome = admit(self.greeting, message, self.token)  # type: ignore[arg-type]
+        except Refused as exc:
+            self._refuse(str(exc))
+            return
+        self.greeting = None
+        if self._overdue is not None:
+            self._overdue.cancel()
+        self._send(welcome)
+
+    def _refuse(self, why: str) -> None:
+        """Tell the client why (it logs it), then close: it sent no call yet."""
+        log.warning("runner %s: refused a connection from %s: %s",
+                    self.runner.name, self._peer(), why)
+        if self.transport is not None:
+            self.transport.writelines(encode(Failure(0, FailureCode.HANDSHAKE, why)))
+            self.transport.close()
+
+    def _hello_overdue(self) -> None:
+        if self.greeting is not None and self.transport is not None:
+            self._refuse(f"no Hello within {self.timeouts.hello_timeout_s:g} s")
 
     def _reply(self, ident: int, result: Tensors | Rejection) -> None:
         if isinstance(result, Rejection):
@@ -129,7 +199,7 @@ class Connection(asyncio.BufferedProtocol):
         calls, self._starting = self._starting, []
         self._send(Started(tuple(calls)))
 
-    def _send(self, message: Result | Failure | Started | Pong) -> None:
+    def _send(self, message: Result | Failure | Started | Pong | Welcome) -> None:
         if self.transport is not None and self.outbox is not None:
             self.outbox.put(message)
 
@@ -148,9 +218,13 @@ def build_policy(runner: RunnerConfig) -> Policy:
     )
 
 
-async def serve(config: Config, runner: RunnerConfig, address: Address) -> bool:
+async def serve(config: Config, runner: RunnerConfig, address: Address,
+                keys: Credentials | None = None, metrics_port: int | None = None) -> bool:
     """Load, calibrate, listen until SIGTERM/SIGINT, then drain; whether a model call is
-    still running after the drain."""
+    still running after the drain. `metrics_port` adds this process's own HTTP endpoints."""
+    keys = keys or Credentials()
+    keys.check(address)
+    tls = keys.server_context(address)
     # Counted before the model loads, so a runner that dies loading still shows a restart loop.
     metrics = RunnerMetrics(runner.name, runner.batching.max_latency_ms / 1000)
     model = models.load(config, runner)
@@ -160,16 +234,23 @@ async def serve(config: Config, runner: RunnerConfig, address: Address) -> bool:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(address.target)
     live: set[Connection] = set()
-    server = await address.serve(lambda: Connection(runner, dispatcher, live))
+    timeouts = config.timeouts
+    server = await address.serve(
+        lambda: Connection(runner, dispatcher, live, keys.token, timeouts), tls)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    log.info("runner %s pid %d ready on %s", runner.name, os.getpid(), address)
+    sweeper = asyncio.create_task(_drop_silent(live, timeouts))
+    status = await _start_status(address, metrics_port, lambda: not stop.is_set())
+    guards = [name for name, on in (("token", keys.token), ("TLS", tls)) if on]
+    log.info("runner %s pid %d ready on %s (%s)", runner.name, os.getpid(),
+             _bound(server, address), ", ".join(guards) or "no token")
     await stop.wait()
     log.info("runner %s pid %d stopping: draining for up to %g s",
              runner.name, os.getpid(), config.timeouts.drain_s)
     server.close()
+    sweeper.cancel()
     await dispatcher.drain(config.timeouts.drain_s)
     await asyncio.sleep(0)  # let the last replies reach their transports
     for connection in list(live):
@@ -178,21 +259,66 @@ async def serve(config: Config, runner: RunnerConfig, address: Address) -> bool:
     if address.scheme == "unix":
         with contextlib.suppress(FileNotFoundError):
             os.unlink(address.target)
+    if status is not None:
+        status[0].should_exit = True
+        await status[1]
     metrics.close()
     return dispatcher.busy
 
 
+def _bound(server: asyncio.Server, address: Address) -> Address:
+    """The address as bound: with TCP port 0, the port the system chose."""
+    if address.scheme != "tcp" or not server.sockets:
+        return address
+    port = server.sockets[0].getsockname()[1]
+    return Address("tcp", f"{address.host}:{port}")
+
+
+async def _drop_silent(live: set[Connection], timeouts: Timeouts) -> None:
+    """Close connections nothing has come from for `ping_misses + 1` idle periods: a client
+    pings after one, so its host or the network between has gone."""
+    limit = timeouts.link_idle_s * (timeouts.ping_misses + 1)
+    while True:
+        await asyncio.sleep(timeouts.link_idle_s)
+        now = time.monotonic()
+        for connection in list(live):
+            if now - connection.heard > limit:
+                connection.close(f"nothing heard for {limit:g} s")
+
+
+async def _start_status(
+    address: Address, port: int | None, ready: Callable[[], bool]
+) -> tuple[StatusServer, asyncio.Task[None]] | None:
+    """Serve the runner's own HTTP endpoints when `port` is given, on the host it listens on."""
+    if port is None:
+        return None
+    host = address.host if address.scheme == "tcp" else "127.0.0.1"
+    server = status_server(host, port, ready)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise ValueError(f"cannot serve metrics and health on {host}:{port}")
+        await asyncio.sleep(0.01)
+    log.info("runner metrics and health on http://%s:%d", host, server.port)
+    return server, task
+
+
 def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m batchserve.runner", description=__doc__.split("\n")[0]
+        prog="batchserve runner", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--config", default="configuration.yml", help="configuration file")
     parser.add_argument("--runner", required=True, help="the runner name to serve")
-    parser.add_argument("--address", help="unix:/path.sock or tcp:host:port")
-    parser.add_argument("--socket", help="shorthand for --address unix:PATH")
+    parser.add_argument("--listen", "--address", dest="address",
+                        help="where to listen: tcp:host:port or unix:/path.sock")
+    parser.add_argument("--socket", help="shorthand for --listen unix:PATH")
+    parser.add_argument("--metrics-port", type=int,
+                        help="serve /metrics, /health/live and /health/ready on this port "
+                             "(0: any free one), on the --listen host")
     args = parser.parse_args(argv)
     if (args.address is None) == (args.socket is None):
-        parser.error("give exactly one of --address or --socket")
+        parser.error("give exactly one of --listen or --socket")
     return args
 
 
@@ -205,14 +331,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if runner is None:
             raise ConfigError(f"runners.{args.runner} is not in {args.config}")
         address = Address.parse(args.address or f"unix:{args.socket}")
+        if address.discovered:
+            raise ConfigError(f"--listen {address}: a runner listens on tcp:host:port or "
+                              "unix:/path (dns+tcp: is for finding runners)")
+        keys = credentials(config)
+        keys.check(address)
         os.environ.setdefault("OMP_NUM_THREADS", str(runner.threads))
+        running = serve(config, runner, address, keys, args.metrics_port)
         try:
             import uvloop
         except ImportError:
-            stuck = asyncio.run(serve(config, runner, address))
+            stuck = asyncio.run(running)
         else:
-            stuck = uvloop.run(serve(config, runner, address))
-    except (ConfigError, ValueError) as exc:
+            stuck = uvloop.run(running)
+    except (ConfigError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
     if stuck:  # the interpreter would wait for the model thread at exit, maybe for ever

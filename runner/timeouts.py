@@ -65,8 +65,20 @@ class Timeouts:
     """First pause before an API worker reconnects to a runner; doubles with each failure."""
     reconnect_max_s: float = 1.0
     """The longest pause between reconnection attempts."""
+    resolve_s: float = 5.0
+    """How often an API worker resolves a runner's `dns+tcp:` name again, to connect to
+    processes that appeared and let go of those that left; a connection error resolves it
+    again at once."""
     keep_alive_s: float = 5.0
     """How long an API worker keeps an idle HTTP connection open (uvicorn's keep-alive)."""
+    hello_timeout_s: float = 5.0
+    """How long either end of a new runner connection waits for the other's handshake before
+    closing it, so a silent or foreign peer holds nothing for long."""
+    link_idle_s: float = 10.0
+    """After this long with nothing heard from a runner, an API worker pings it, and drops the
+    connection (and reconnects) when the ping is not answered within `ping_timeout_s`; a
+    runner drops a connection silent for `ping_misses + 1` times this. It is also the idle
+    time before TCP keepalive probes start."""
 
     def __post_init__(self) -> None:
         for item in fields(self):

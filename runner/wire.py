@@ -3,7 +3,7 @@
 Nothing is pickled: a frame is a small fixed header, per-tensor headers and the tensors' own
 bytes, so either side can be written in any language and the bytes go from the socket to
 numpy without a per-element step. The format does not care what carries it: `Address`
-names a unix socket today and a TCP endpoint when runners move to other hosts.
+names a unix socket or a TCP endpoint (optionally under TLS) on another host.
 
     frame   := u32 body_length | body
     body    := u8 kind | u64 id | payload
@@ -12,9 +12,21 @@ names a unix socket today and a TCP endpoint when runners move to other hosts.
     Failure := u8 code | f64 retry_after_s | utf-8 text  (runner -> API)
     Started := u32 count | u64 call_ids[count]           (runner -> API; id 0)
     Ping, Pong := (empty)
+    Hello   := u16 version | u32 max_batch_size | u8 name_len | name | nonce[32]
+               | u8 proof_len | proof                  (both ways, first; id 0)
+    Welcome := u8 proof_len | proof                    (runner -> API, after Hello; id 0)
     tensor  := u8 name_len | name | u8 dtype | u8 ndim | i64 dims[ndim] | pad to 8 | data
+    data    := the elements' raw bytes, row-major, little-endian
+             | u64 size | (u32 length | bytes)*     (BYTES: each element prefixed by its length)
 
 Tensor data starts 8-byte aligned within the body so numpy and torch can view it in place.
+BYTES elements are laid out as the v2 binary tensor extension lays them out, behind the
+total size of that layout so a reader can bounds-check it before reading an element.
+
+A connection opens with a handshake before any call (see `batchserve.runner.handshake`): the
+runner sends a Hello, the API answers with its own, the runner accepts with a Welcome or refuses
+with a Failure (code HANDSHAKE) and closes. A Hello's version comes first and is all that a peer
+speaking another version is sure to read: a change to any frame changes `PROTOCOL_VERSION`.
 """
 
 from __future__ import annotations
@@ -22,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import math
+import socket
+import ssl
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from batchserve.runner.types import DATATYPES, Tensors
+from batchserve.runner.types import BYTES, DATATYPES, Tensors
 
 _LENGTH = struct.Struct("<I")
 _HEAD = struct.Struct("<BQ")
@@ -37,6 +51,12 @@ _CALL = struct.Struct("<dH")
 _COUNT = struct.Struct("<H")
 _FAILURE = struct.Struct("<Bd")
 _STARTED = struct.Struct("<I")
+_SIZE = struct.Struct("<Q")
+_ELEMENT = struct.Struct("<I")
+_HELLO = struct.Struct("<HI")
+_VERSION = struct.Struct("<H")
+NONCE_BYTES = 32
+PROTOCOL_VERSION = 1
 _DTYPES = list(DATATYPES.values())
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 MAX_FRAME = 1 << 31
@@ -53,6 +73,8 @@ class Kind(enum.IntEnum):
     PING = 4
     PONG = 5
     STARTED = 6
+    HELLO = 7
+    WELCOME = 8
 
 
 class FailureCode(enum.IntEnum):
@@ -65,6 +87,7 @@ class FailureCode(enum.IntEnum):
     STOPPING = 5  # the runner is shutting down
     TIMEOUT = 6  # the model call ran past the runner's batch_timeout_ms
     TOO_LARGE = 7  # too many rows to meet the limit even on an idle model
+    HANDSHAKE = 8  # the connection's Hello was refused (version, runner name or token)
 
 
 
@@ -109,7 +132,28 @@ class Pong:
     id: int
 
 
-Message = Call | Result | Failure | Started | Ping | Pong
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """The first frame each way: who speaks, what it speaks, and a fresh nonce; the API's
+    also carries its proof of the shared token (empty without one)."""
+
+    version: int
+    runner: str
+    max_batch_size: int
+    nonce: bytes
+    proof: bytes = b""
+    id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """The runner accepts the API's Hello; `proof` shows it holds the token too."""
+
+    proof: bytes = b""
+    id: int = 0
+
+
+Message = Call | Result | Failure | Started | Ping | Pong | Hello | Welcome
 Chunks = list[bytes | memoryview]
 
 
@@ -128,9 +172,23 @@ def _tensor_chunks(name: str, array: np.ndarray, offset: int, out: Chunks) -> in
     pad = -offset % 8
     out.append(header + b"\0" * pad)
     offset += pad
+    if array.dtype == BYTES:
+        return offset + _bytes_chunks(name, array, out)
     data = np.ascontiguousarray(array)
     out.append(memoryview(data).cast("B"))  # type: ignore[arg-type]
     return offset + data.nbytes
+
+
+def _bytes_chunks(name: str, array: np.ndarray, out: Chunks) -> int:
+    """Append a BYTES tensor's size and length-prefixed elements; return their byte count."""
+    parts: list[bytes] = []
+    for item in array.flat:
+        if type(item) is not bytes:
+            raise WireError(f"tensor {name!r} is BYTES but holds a {type(item).__name__}")
+        parts += (_ELEMENT.pack(len(item)), item)
+    data = b"".join(parts)
+    out.append(_SIZE.pack(len(data)) + data)
+    return _SIZE.size + len(data)
 
 
 def _tensors_chunks(tensors: Tensors, offset: int, out: Chunks) -> None:
@@ -155,6 +213,10 @@ def encode(message: Message) -> Chunks:
         calls = message.calls
         head = _HEAD.pack(Kind.STARTED, message.id) + struct.pack(f"<I{len(calls)}Q", len(calls),
                                                                    *calls)
+    elif isinstance(message, Hello):
+        head = _HEAD.pack(Kind.HELLO, message.id) + _hello_bytes(message)
+    elif isinstance(message, Welcome):
+        head = _HEAD.pack(Kind.WELCOME, message.id) + _short(message.proof, "proof")
     else:
         head = _HEAD.pack(Kind.PING if isinstance(message, Ping) else Kind.PONG, message.id)
     size = len(head) + sum(len(chunk) for chunk in out[1:])
@@ -162,6 +224,41 @@ def encode(message: Message) -> Chunks:
         raise WireError(f"a frame of {size} bytes exceeds the wire's limit of {MAX_FRAME}")
     out[0] = _LENGTH.pack(size) + head
     return out
+
+
+def _short(data: bytes, what: str) -> bytes:
+    if len(data) > 255:
+        raise WireError(f"a Hello's {what} of {len(data)} bytes is over 255")
+    return bytes([len(data)]) + data
+
+
+def _hello_bytes(hello: Hello) -> bytes:
+    if len(hello.nonce) != NONCE_BYTES:
+        raise WireError(f"a Hello's nonce must be {NONCE_BYTES} bytes")
+    return (_HELLO.pack(hello.version, hello.max_batch_size)
+            + _short(hello.runner.encode(), "runner name") + hello.nonce
+            + _short(hello.proof, "proof"))
+
+
+def _read_short(body: bytearray, offset: int) -> tuple[bytes, int]:
+    size = body[offset]
+    end = offset + 1 + size
+    if end > len(body):
+        raise WireError("a Hello field overruns its frame")
+    return bytes(body[offset + 1 : end]), end
+
+
+def _read_hello(body: bytearray, offset: int) -> Hello:
+    (version,) = _VERSION.unpack_from(body, offset)
+    if version != PROTOCOL_VERSION:  # the rest may be laid out otherwise: not read
+        return Hello(version, "", 0, b"")
+    _, max_batch = _HELLO.unpack_from(body, offset)
+    name, offset = _read_short(body, offset + _HELLO.size)
+    nonce = bytes(body[offset : offset + NONCE_BYTES])
+    if len(nonce) != NONCE_BYTES:
+        raise WireError("a Hello's nonce overruns its frame")
+    proof, _ = _read_short(body, offset + NONCE_BYTES)
+    return Hello(version, name.decode(), max_batch, nonce, proof)
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -182,13 +279,40 @@ def _read_tensors(body: bytearray, offset: int, count: int) -> Tensors:
         offset += 8 * ndim
         offset += -offset % 8
         dtype = _DTYPES[code]
-        count_items = math.prod(shape)
-        end = offset + count_items * dtype.itemsize
-        if min(shape, default=0) < 0 or end > len(body):
+        if min(shape, default=0) < 0:
+            raise WireError(f"tensor {name!r} has shape {list(shape)}")
+        if dtype == BYTES:
+            tensors[name], offset = _read_bytes(name, body, offset, shape)
+            continue
+        end = offset + math.prod(shape) * dtype.itemsize
+        if end > len(body):
             raise WireError(f"tensor {name!r} with shape {list(shape)} overruns its frame")
         tensors[name] = np.frombuffer(view[offset:end], dtype=dtype).reshape(shape)
         offset = end
     return tensors
+
+
+def _read_bytes(
+    name: str, body: bytearray, offset: int, shape: tuple[int, ...]
+) -> tuple[np.ndarray, int]:
+    """A BYTES tensor (an object array of `bytes`) and the offset after it."""
+    (size,) = _SIZE.unpack_from(body, offset)
+    offset += _SIZE.size
+    end = offset + size
+    if end > len(body):
+        raise WireError(f"tensor {name!r} of {size} bytes overruns its frame")
+    array = np.empty(math.prod(shape), object)
+    for i in range(array.size):
+        if offset + _ELEMENT.size > end:
+            raise WireError(f"tensor {name!r} has element {i} overrunning its data")
+        (length,) = _ELEMENT.unpack_from(body, offset)
+        start, offset = offset + _ELEMENT.size, offset + _ELEMENT.size + length
+        if offset > end:
+            raise WireError(f"tensor {name!r} has element {i} overrunning its data")
+        array[i] = bytes(body[start:offset])
+    if offset != end:
+        raise WireError(f"tensor {name!r} has {end - offset} bytes after its elements")
+    return array.reshape(shape), offset
 
 
 def decode(body: bytearray) -> Message:
@@ -214,6 +338,10 @@ def decode(body: bytearray) -> Message:
             return Ping(ident)
         if kind == Kind.PONG:
             return Pong(ident)
+        if kind == Kind.HELLO:
+            return _read_hello(body, offset)
+        if kind == Kind.WELCOME:
+            return Welcome(_read_short(body, offset)[0], ident)
     except (struct.error, IndexError, ValueError) as exc:
         raise WireError(f"malformed frame: {exc}") from None
     raise WireError(f"unknown frame kind {kind}")
@@ -313,12 +441,40 @@ class Outbox:
             self.transport.writelines(chunks)
 
 
+class FrameSocket:
+    """Messages over a blocking socket, for short exchanges outside an event loop (the
+    supervisor's pings, tests and tools)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.socket = sock
+        self._reader = FrameReader()
+        self._bodies: list[bytearray] = []
+
+    def send(self, message: Message) -> None:
+        self.socket.sendall(b"".join(bytes(chunk) for chunk in encode(message)))
+
+    def receive(self) -> Message:
+        """The next message; ConnectionResetError when the peer closes first."""
+        while not self._bodies:
+            data = self.socket.recv(1 << 16)
+            if not data:
+                raise ConnectionResetError("the peer closed the connection")
+            self._bodies.extend(self._reader.feed(data))
+        return decode(self._bodies.pop(0))
+
+
 # --- addresses --------------------------------------------------------------------------------
+
+
+SCHEMES = ("unix", "tcp", "dns+tcp")
+ADDRESS_FORMS = "unix:/path, tcp:host:port or dns+tcp:name:port"
 
 
 @dataclass(frozen=True, slots=True)
 class Address:
-    """Where a runner listens: `unix:/path/to.sock` or `tcp:host:port`."""
+    """Where a runner listens: `unix:/path/to.sock` or `tcp:host:port`; or, for an API worker
+    only, `dns+tcp:name:port`: every address the name resolves to, found again and again
+    (`batchserve.api.discovery`), each a `tcp:` address of one runner process."""
 
     scheme: str
     target: str
@@ -326,12 +482,12 @@ class Address:
     @classmethod
     def parse(cls, text: str) -> Address:
         scheme, sep, target = text.partition(":")
-        if not sep or scheme not in ("unix", "tcp") or not target:
-            raise ValueError(f"address {text!r} must look like unix:/path or tcp:host:port")
-        if scheme == "tcp":
+        if not sep or scheme not in SCHEMES or not target:
+            raise ValueError(f"address {text!r} must look like {ADDRESS_FORMS}")
+        if scheme != "unix":
             host, _, port = target.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"address {text!r} must look like tcp:host:port")
+            if not host or not port.isdigit() or int(port) > 65535:
+                raise ValueError(f"address {text!r} must look like {scheme}:host:port")
         return cls(scheme, target)
 
     def __str__(self) -> str:
@@ -341,16 +497,64 @@ class Address:
         host, _, port = self.target.rpartition(":")
         return host, int(port)
 
-    async def serve(self, factory: Callable[[], asyncio.BaseProtocol]) -> asyncio.Server:
+    @property
+    def host(self) -> str:
+        return self._host_port()[0]
+
+    @property
+    def port(self) -> int:
+        return self._host_port()[1]
+
+    @property
+    def tcp(self) -> bool:
+        """Whether links to this address go over TCP (and so need a token, and may use TLS)."""
+        return self.scheme != "unix"
+
+    @property
+    def discovered(self) -> bool:
+        """Whether this address names a set of processes to find by DNS, not one process."""
+        return self.scheme == "dns+tcp"
+
+    def at(self, ip: str) -> Address:
+        """The `tcp:` address of one process this name resolved to."""
+        return Address("tcp", f"{ip}:{self.port}")
+
+    async def serve(
+        self, factory: Callable[[], asyncio.BaseProtocol], tls: ssl.SSLContext | None = None
+    ) -> asyncio.Server:
         loop = asyncio.get_running_loop()
+        if self.discovered:
+            raise ValueError(f"{self} names processes to find by DNS; listen on tcp:host:port")
         if self.scheme == "unix":
             return await loop.create_unix_server(factory, self.target)
         host, port = self._host_port()
-        return await loop.create_server(factory, host, port)
+        return await loop.create_server(factory, host, port, ssl=tls)
 
-    async def connect(self, factory: Callable[[], Any]) -> tuple[asyncio.Transport, Any]:
+    async def connect(
+        self, factory: Callable[[], Any], tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
+    ) -> tuple[asyncio.Transport, Any]:
         loop = asyncio.get_running_loop()
+        if self.discovered:
+            raise ValueError(f"{self} names processes to find by DNS, not one to connect to")
         if self.scheme == "unix":
             return await loop.create_unix_connection(factory, self.target)  # type: ignore
         host, port = self._host_port()
-        return await loop.create_connection(factory, host, port)  # type: ignore
+        return await loop.create_connection(  # type: ignore
+            factory, host, port, ssl=tls,
+            server_hostname=(server_name or host) if tls is not None else None,
+        )
+
+
+def tune(transport: asyncio.BaseTransport, idle_s: float) -> None:
+    """TCP_NODELAY (a call is small and must not wait for more), and keepalive probes after
+    `idle_s` of silence, so a peer whose host vanished is noticed by the kernel too."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = max(1, int(idle_s))
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", idle), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from batchserve.runner.types import PerRequest
+
 
 def pid_echo(x: np.ndarray) -> dict[str, np.ndarray]:
     """Echoes its input and tells which runner process served each row."""
@@ -93,3 +95,12 @@ def padded_sums(tokens: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray
     _record(f"pad {tokens.shape[0]} {int(lengths.sum())} {tokens.shape[1]}")
     sums = np.where(real, tokens, 0).sum(axis=1)
     return {"sum": sums[:, None], "length": lengths[:, None].astype(np.int64)}
+def tagged_batch(text: np.ndarray, tag: PerRequest) -> dict[str, np.ndarray]:
+    """Tells each row its own request's `tag` (a non-batchable BYTES input, one item per
+    request) and how many requests shared its batch; holds each batch 50 ms so that
+    concurrent requests queue up behind it and batch together."""
+    time.sleep(0.05)
+    if not isinstance(tag, PerRequest) or len(tag) != len(tag.rows):
+        raise TypeError(f"tag came as {type(tag).__name__}, not one item per request")
+    tags = np.array([bytes(item[0]) for item in tag.per_row()] or [], dtype=object)
+    return {"tag": tags, "requests": np.full(len(text), len(tag), np.int64), "echo": text}

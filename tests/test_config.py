@@ -76,7 +76,9 @@ def test_bad_configuration_exits_with_one_line(tmp_path: Path, kind: str, comman
 def test_the_bundled_configuration_is_valid() -> None:
     result = run("validate", cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "configuration.yml: valid (3 runner(s): iris_clf, mlp, text)\n"
+    assert result.stdout == (
+        "configuration.yml: valid (4 runner(s): iris_clf, mlp, text_features, text)\n"
+    )
 
 
 def test_the_reference_batching_keys_are_accepted_verbatim(tmp_path: Path) -> None:
@@ -113,9 +115,10 @@ def test_the_reference_batching_keys_are_accepted_verbatim(tmp_path: Path) -> No
          "timeouts.ping_misses has value 1.5; it must be an integer >= 1"),
         (("runners:", "timeouts: {grace_s: 3}\nrunners:"),
          "timeouts.grace_s is not a known key; known keys are: api_start_s, call_slack_s, "
-         "drain_s, keep_alive_s, kill_after_s, ping_misses, ping_period_s, ping_timeout_s, "
-         "reconnect_first_s, reconnect_max_s, restart_first_s, restart_max_s, runner_start_s, "
-         "stable_s"),
+         "drain_s, hello_timeout_s, keep_alive_s, kill_after_s, link_idle_s, ping_misses, "
+         "ping_period_s, ping_timeout_s, "
+         "reconnect_first_s, reconnect_max_s, resolve_s, restart_first_s, restart_max_s, "
+         "runner_start_s, stable_s"),
         (("runners:", "timeouts: {drain_s: 5, kill_after_s: 5.5}\nrunners:"),
          "timeouts.kill_after_s has value 5.5; it must be at least timeouts.drain_s + 1 (6), "
          "so a process is not killed while it drains"),
@@ -127,6 +130,17 @@ def test_the_reference_batching_keys_are_accepted_verbatim(tmp_path: Path) -> No
          "timeouts.reconnect_max_s (0.01)"),
         (("runners:", "timeouts: 30\nrunners:"),
          "timeouts has value 30; it must be a mapping"),
+        (("shape: [-1, 4]}", "shape: [-1, 4], batchable: maybe}"),
+         "runners.iris_clf.inputs[0].batchable has value 'maybe'; it must be true or false"),
+        (("shape: [-1, 4]}", "shape: [-1, 4], batchable: false}"),
+         "runners.iris_clf.inputs has only inputs with batchable: false; at least one input "
+         "must be batchable, to count each request's rows"),
+        (("shape: [-1, 3]}", "shape: [-1, 3], batchable: false}"),
+         "runners.iris_clf.outputs[0].batchable is not a known key; known keys are: datatype, "
+         "finite, name, shape"),
+        (("datatype: FP32, shape: [-1, 4]", "datatype: BYTES, shape: [-1, 4], finite: true"),
+         "runners.iris_clf.inputs[0].finite has value True; it must be false for BYTES, which "
+         "cannot hold NaN"),
     ],
 )
 def test_values_are_checked_with_their_dotted_key(
@@ -137,6 +151,17 @@ def test_values_are_checked_with_their_dotted_key(
     with pytest.raises(ConfigError) as raised:
         load(path)
     assert str(raised.value).startswith(message)
+
+
+def test_a_non_batchable_input_needs_no_batch_dimension(tmp_path: Path) -> None:
+    path = tmp_path / "configuration.yml"
+    path.write_text(GOOD.replace(
+        "inputs: [{name: input, datatype: FP32, shape: [-1, 4]}]",
+        "inputs: [{name: input, datatype: FP32, shape: [-1, 4]},\n"
+        "             {name: mode, datatype: BYTES, shape: [1], batchable: false}]"))
+    runner = load(path).runners["iris_clf"]
+    assert [spec.batchable for spec in runner.inputs] == [True, False]
+    assert runner.unbatched == frozenset({"mode"})
 
 
 def test_a_missing_file_is_one_clear_line(tmp_path: Path) -> None:

@@ -67,6 +67,10 @@ def sample(datatype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
         return rng.integers(0, 2, shape).astype(bool)
     if dtype.kind == "f":
         return (rng.standard_normal(shape) * 100).astype(dtype)
+    if datatype == "BYTES":  # UTF-8 text of varied lengths, empty strings and NUL included
+        words = ["", "a", "\0nul", "naïve café ☕", "x" * int(rng.integers(1, 300))]
+        picks = rng.integers(0, len(words), shape)
+        return np.vectorize(lambda i: words[i].encode(), otypes=[object])(picks)
     info = np.iinfo(dtype)
     return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
 
@@ -154,6 +158,8 @@ def test_every_datatype_round_trips(datatype: str, binary: bool) -> None:
     content, headers = encode_infer("one", request, {"y": x}, runner)
     result = triton_result(content, headers)
     assert result.as_numpy("y").dtype == DATATYPES[datatype]
+    if datatype == "BYTES" and not binary:  # tritonclient reads JSON strings as str
+        x = np.vectorize(bytes.decode, otypes=[object])(x)
     np.testing.assert_array_equal(result.as_numpy("y"), x)
 
 
@@ -309,7 +315,7 @@ FP32_X = {"name": "x", "datatype": "FP32", "shape": [1, 256]}
         (json_body([x_input(datatype=None)]), "input 'x' has datatype None; expected FP32"),
         (
             json_body([x_input(datatype="BYTES")]),
-            "input 'x' has datatype BYTES; expected FP32 (BYTES tensors are not supported)",
+            "input 'x' has datatype BYTES; expected FP32",
         ),
         (json_body([x_input(shape=[2, 255])]), "input 'x' has shape [2, 255]; expected [-1, 256]"),
         (json_body([x_input(shape=[256])]), "input 'x' has shape [256]; expected [-1, 256]"),
@@ -694,3 +700,125 @@ def test_server_metadata() -> None:
     assert document["name"] == "batchserve"
     assert document["extensions"] == ["binary_tensor_data"]
     assert isinstance(document["version"], str)
+
+
+# --- BYTES tensors and non-batchable inputs -----------------------------------------------------
+
+TEXT = RunnerConfig(
+    name="text",
+    model="models:text",
+    inputs=(TensorSpec("text", "BYTES", (-1,)),
+            TensorSpec("mode", "BYTES", (1,), batchable=False)),
+    outputs=(TensorSpec("out", "BYTES", (-1,)),),
+)
+
+
+def prefixed(*items: bytes) -> bytes:
+    """BYTES elements as the binary extension lays them out: a u32 LE length before each."""
+    return b"".join(len(item).to_bytes(4, "little") + item for item in items)
+
+
+def bytes_input(name: str, shape: list[int], size: int) -> dict[str, Any]:
+    return {"name": name, "datatype": "BYTES", "shape": shape,
+            "parameters": {"binary_data_size": size}}
+
+
+def test_bytes_in_binary_built_by_hand_are_bytes_objects() -> None:
+    text = prefixed("naïve".encode(), b"", b"\xff\x00")
+    mode = prefixed(b"lower")
+    body, length = binary_body({"inputs": [bytes_input("text", [3], len(text)),
+                                           bytes_input("mode", [1], len(mode))]}, text, mode)
+    request = decode_infer(body, length, TEXT)
+    assert request.inputs["text"].dtype == object
+    assert request.inputs["text"].tolist() == ["naïve".encode(), b"", b"\xff\x00"]
+    assert request.inputs["mode"].tolist() == [b"lower"]
+    assert request.rows == 3  # counted on the batchable input only
+
+
+def test_bytes_in_json_are_strings_flat_or_nested() -> None:
+    body = json_body([{"name": "text", "datatype": "BYTES", "shape": [2], "data": ["ü", ""]},
+                      {"name": "mode", "datatype": "BYTES", "shape": [1], "data": ["x"]}])
+    request = decode_infer(body, None, TEXT)
+    assert request.inputs["text"].tolist() == ["ü".encode(), b""]
+    nested = one("BYTES")
+    body = json_body([{"name": "x", "datatype": "BYTES", "shape": [2, 3],
+                       "data": [["a", "b", "c"], ["d", "e", "f"]]}])
+    assert decode_infer(body, None, nested).inputs["x"][1].tolist() == [b"d", b"e", b"f"]
+
+
+@pytest.mark.parametrize(
+    ("text", "size", "message"),
+    [
+        (prefixed(b"ab") + b"\x05\x00", None,
+         "input 'text' has BYTES binary data that end inside the length of element 1; its "
+         "binary_data_size 8 holds 1 of the 2 elements"),
+        (prefixed(b"ab") + (99).to_bytes(4, "little") + b"cd", None,
+         "input 'text' has BYTES element 1 of 99 bytes, past the end of its binary data "
+         "(2 bytes remain of binary_data_size 12)"),
+        (prefixed(b"ab", b"cd") + b"!", None,
+         "input 'text' has binary_data_size 13; its 2 BYTES elements for shape [2] use 12"),
+        (prefixed(b"ab", b"cd"), 40,
+         "input 'text' needs 40 bytes of binary data at offset 0, but only 17 remain"),
+    ],
+    ids=["truncated-length", "length-past-end", "bytes-left-over", "size-past-body"],
+)
+def test_malformed_binary_bytes_are_refused_by_name(
+    text: bytes, size: int | None, message: str
+) -> None:
+    mode = prefixed(b"m")
+    header = {"inputs": [bytes_input("text", [2], len(text) if size is None else size),
+                         bytes_input("mode", [1], len(mode))]}
+    body, length = binary_body(header, text, mode)
+    with refused(message):
+        decode_infer(body, length, TEXT)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (["a", 1], "input 'x' has data that are not all strings; expected BYTES values as "
+                   "JSON strings"),
+        ([["a"], "b"], "input 'x' has data that are not all strings; expected BYTES values as "
+                       "JSON strings"),
+        (["a", "b"], "input 'x' has 2 data elements; its shape [1, 3] needs 3"),
+    ],
+)
+def test_json_bytes_refusals(data: list[Any], message: str) -> None:
+    body = json_body([{"name": "x", "datatype": "BYTES", "shape": [1, 3], "data": data}])
+    with refused(message):
+        decode_infer(body, None, one("BYTES"))
+
+
+def test_bytes_outputs_that_are_not_utf8_go_in_binary_only() -> None:
+    runner = one("BYTES")
+    body = json_body([{"name": "x", "datatype": "BYTES", "shape": [1, 3], "data": ["a"] * 3}])
+    request = decode_infer(body, None, runner)
+    y = np.array([[b"\xff", b"ok", b""]], dtype=object)
+    with refused("output 'y' of model 'one' holds bytes that are not UTF-8, which JSON cannot "
+                 "carry; ask for it with parameters.binary_data: true"):
+        encode_infer("one", request, {"y": y}, runner)
+    binary = dataclasses.replace(request, outputs=(RequestedOutput("y", True),))
+    content, headers = encode_infer("one", binary, {"y": y}, runner)
+    assert content.endswith(prefixed(b"\xff", b"ok", b""))
+    assert triton_result(content, headers).as_numpy("y").tolist() == [[b"\xff", b"ok", b""]]
+
+
+def test_a_numeric_output_for_a_bytes_signature_is_the_servers_bug() -> None:
+    runner = one("BYTES")
+    body = json_body([{"name": "x", "datatype": "BYTES", "shape": [1, 3], "data": ["a"] * 3}])
+    request = decode_infer(body, None, runner)
+    with pytest.raises(BatchserveError, match="returned output 'y' as float32"):
+        encode_infer("one", request, {"y": np.zeros((1, 3), np.float32)}, runner)
+
+
+def test_rows_disagreeing_on_a_non_batchable_input_do_not_matter() -> None:
+    body = json_body([{"name": "text", "datatype": "BYTES", "shape": [4], "data": ["a"] * 4},
+                      {"name": "mode", "datatype": "BYTES", "shape": [1], "data": ["m"]}])
+    assert decode_infer(body, None, TEXT).rows == 4
+
+
+def test_metadata_marks_non_batchable_inputs() -> None:
+    assert orjson.loads(model_metadata(TEXT))["inputs"] == [
+        {"name": "text", "datatype": "BYTES", "shape": [-1]},
+        {"name": "mode", "datatype": "BYTES", "shape": [1], "parameters": {"batchable": False}},
+    ]

@@ -123,6 +123,22 @@ BAD = {
         "runners.text.batch_inputs has value ['offsets', 'tokens', 'bounds']; it must be names "
         "distinct from each other and from the inputs",
     ),
+    "ragged and not batchable": (
+        ("ragged: true}", "ragged: true, batchable: false}"),
+        "runners.text.inputs[0] has batchable: false and ragged; an input of variable length "
+        "is joined across requests, so it cannot also be given to the model per request",
+    ),
+    "not batchable beside ragged": (
+        ("ragged: true}",
+         "ragged: true}\n      - {name: sep, datatype: BYTES, shape: [1], batchable: false}"),
+        "runners.text.inputs[1] ('sep') has batchable: false; since input 'tokens' is ragged, "
+        "every input is joined across requests and none may be batchable: false",
+    ),
+    "ragged strings": (
+        ("datatype: INT64, shape: [-1], ragged", "datatype: BYTES, shape: [-1], ragged"),
+        "runners.text.inputs[0].datatype has value 'BYTES'; it must be a datatype other than "
+        "BYTES for a ragged input",
+    ),
     "ragged on an output": (
         ("shape: [-1, 4]}", "shape: [-1, 4], ragged: true}"),
         "runners.text.outputs[0].ragged is not a known key",

@@ -36,12 +36,20 @@ def round_trip(message: object) -> object:
 @pytest.mark.parametrize("datatype", list(DATATYPES))
 def test_every_datatype_round_trips_exactly(datatype: str) -> None:
     dtype = DATATYPES[datatype]
-    array = (np.arange(24) % 2 if dtype.kind == "b" else np.arange(24)).astype(dtype)
+    if datatype == "BYTES":
+        items = [b"", b"\0", "naïve".encode(), b"\xff\xfe", b"x" * 70_000] * 5
+        array = np.array(items[:24], dtype=object)
+        scalar = np.array(b"three", dtype=object)
+    else:
+        array = (np.arange(24) % 2 if dtype.kind == "b" else np.arange(24)).astype(dtype)
+        scalar = np.array(3, dtype=dtype)
     array = array.reshape(2, 3, 4)
-    call = round_trip(Call(7, 0.25, {"t": array, "scalar": np.array(3, dtype=dtype)}))
+    call = round_trip(Call(7, 0.25, {"t": array, "scalar": scalar, "after": array[:1]}))
     assert isinstance(call, Call)
     assert (call.id, call.budget_s) == (7, 0.25)
     np.testing.assert_array_equal(call.tensors["t"], array)
+    np.testing.assert_array_equal(call.tensors["after"], array[:1])
+    assert call.tensors["scalar"] == scalar
     assert call.tensors["t"].dtype == dtype and call.tensors["scalar"].shape == ()
 
 
@@ -100,6 +108,55 @@ def test_a_tensor_that_overruns_its_frame_is_refused() -> None:
     body = bytearray(frame_bytes(Call(1, 1.0, {"x": np.ones((2, 2), np.float32)}))[4:])
     with pytest.raises(WireError, match="overruns its frame"):
         decode(body[:-4])
+
+
+def test_bytes_are_laid_out_as_lengths_and_data_and_keep_later_tensors_aligned() -> None:
+    words = np.array([b"ab", b"", b"cde"], dtype=object)
+    frame = frame_bytes(Result(3, {"w": words, "f": np.ones(2, np.float64)}))
+    assert struct.pack("<Q", 17) + struct.pack("<I", 2) + b"ab" + struct.pack("<I", 0) + (
+        struct.pack("<I", 3) + b"cde") in frame
+    result = round_trip(Result(3, {"w": words, "f": np.ones(2, np.float64)}))
+    assert isinstance(result, Result)
+    assert result.tensors["w"].tolist() == [b"ab", b"", b"cde"]
+    assert result.tensors["f"].ctypes.data % 8 == 0
+
+
+def bytes_call(data: bytes, count: int = 2) -> bytearray:
+    """A Call frame body with one BYTES tensor of `count` elements whose data are `data`."""
+    code = list(DATATYPES).index("BYTES")
+    head = struct.pack("<BQdH", 1, 1, 1.0, 1) + b"\x01w" + bytes([code, 1])
+    head += struct.pack("<q", count)
+    head += b"\0" * (-len(head) % 8)
+    return bytearray(head + struct.pack("<Q", len(data)) + data)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (struct.pack("<I", 2) + b"ab" + struct.pack("<I", 9) + b"cd",
+         "tensor 'w' has element 1 overrunning its data"),
+        (struct.pack("<I", 2) + b"ab" + b"\0\0", "tensor 'w' has element 1 overrunning its data"),
+        (struct.pack("<I", 1) + b"a" + struct.pack("<I", 1) + b"bXY",
+         "tensor 'w' has 2 bytes after its elements"),
+    ],
+)
+def test_malformed_bytes_tensors_raise_wire_errors(data: bytes, message: str) -> None:
+    assert isinstance(decode(bytes_call(struct.pack("<I", 1) + b"a" + struct.pack("<I", 0))),
+                      Call)  # the well-formed frame reads
+    with pytest.raises(WireError, match=message):
+        decode(bytes_call(data))
+
+
+def test_a_bytes_tensor_announcing_more_than_its_frame_is_refused() -> None:
+    body = bytes_call(b"")
+    body[-8:] = struct.pack("<Q", 100)
+    with pytest.raises(WireError, match="tensor 'w' of 100 bytes overruns its frame"):
+        decode(body)
+
+
+def test_bytes_tensors_hold_only_bytes() -> None:
+    with pytest.raises(WireError, match="tensor 'w' is BYTES but holds a str"):
+        encode(Result(1, {"w": np.array(["text"], dtype=object)}))
 
 
 @pytest.mark.parametrize(

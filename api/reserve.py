@@ -1,0 +1,40 @@
+"""The time kept back from a request's limit for its answer's way home.
+
+A runner answers by the deadline it is given. The answer then crosses the wire, waits its
+turn on this worker's event loop and is encoded: under load that takes milliseconds, and in
+overload, where every admitted request is served at the edge of its deadline, it would make
+most answers late by exactly that much. So each API worker measures, per runner, how long
+after the runner's deadline its answers leave (their *overrun*), and gives later requests
+that much less time: the 99th percentile of the recent overruns, at most a quarter of the
+limit. It measures only on this worker's clock, so it holds for runners on other hosts too.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+WINDOW = 256  # overruns remembered
+EVERY = 32  # new overruns between two estimates
+QUANTILE = 0.99
+MOST = 0.25  # of the limit, whatever is measured
+
+
+class Reserve:
+    """The recent high quantile of overruns: how much of the limit to keep back."""
+
+    def __init__(self) -> None:
+        self._overruns: deque[float] = deque(maxlen=WINDOW)
+        self._fresh = 0
+        self._seconds = 0.0
+
+    def seconds(self, limit_s: float) -> float:
+        return min(self._seconds, MOST * limit_s)
+
+    def observe(self, overrun_s: float) -> None:
+        """How long after the runner's deadline an answer left (negative: before it)."""
+        self._overruns.append(overrun_s)
+        self._fresh += 1
+        if self._fresh >= EVERY:
+            self._fresh = 0
+            ranked = sorted(self._overruns)
+            self._seconds = max(0.0, ranked[min(len(ranked) - 1, int(QUANTILE * len(ranked)))])
