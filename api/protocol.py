@@ -77,7 +77,7 @@ class RequestedOutput:
 @dataclass(frozen=True, slots=True)
 class InferRequest:
     """A decoded, validated inference request; `inputs` follow the signature's order and
-    share `rows` along the input batch dimension."""
+    share `rows` along the input batch dimension (1 for ragged or pad inputs: one sequence)."""
 
     id: str | None
     inputs: dict[str, np.ndarray]
@@ -114,11 +114,7 @@ class _Signature:
             "inputs": [describe(spec) for spec in runner.inputs],
             "outputs": [describe(spec) for spec in runner.outputs],
             # v2 leaves model parameters open; a client needs these to split a large batch.
-            "parameters": {
-                "max_batch_size": runner.batching.max_batch_size,
-                "input_batch_dim": runner.batch_dim[0],
-                "output_batch_dim": runner.batch_dim[1],
-            },
+            "parameters": _parameters(runner),
         }
         return cls(
             inputs=Signature(runner),
@@ -134,6 +130,24 @@ class _Signature:
             },
             metadata=orjson.dumps(document),
         )
+
+
+def _parameters(runner: RunnerConfig) -> dict[str, Any]:
+    """The batch limits; for ragged or pad inputs, whose request is one sequence that is
+    never split, the cap in elements instead of `max_batch_size`, so a client does not cut."""
+    if runner.layout == "rows":
+        return {
+            "max_batch_size": runner.batching.max_batch_size,
+            "input_batch_dim": runner.batch_dim[0],
+            "output_batch_dim": runner.batch_dim[1],
+        }
+    return {
+        "variable_length": runner.layout,
+        "max_batch_elements": runner.max_cost,
+        "max_batch_requests": runner.batching.max_batch_size,
+        "input_batch_dim": runner.batch_dim[0],
+        "output_batch_dim": runner.batch_dim[1],
+    }
 
 
 # Keyed by id() and checked by identity: hashing a RunnerConfig costs more than decoding a row.

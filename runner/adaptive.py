@@ -62,13 +62,21 @@ class AdaptivePolicy:
         refit_rows: int = 64,
         hold_share: float = 0.05,
         hold_intercepts: float = 10.0,
+        max_requests: int | None = None,
     ) -> None:
+        """`max_batch_size` caps a batch in the units requests are sized in (`Request.rows`:
+        rows, or elements for ragged inputs); `max_requests`, if given, also caps how many
+        requests one batch holds (a runner's `max_batch_size` when it counts elements)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size has value {max_batch_size}; it must be at least 1")
         if max_latency_s <= 0:
             raise ValueError(f"max_latency_s has value {max_latency_s}; it must be positive")
+        if max_requests is not None and max_requests < 1:
+            raise ValueError(f"max_requests has value {max_requests}; it must be at least 1")
         self.max_batch_size = max_batch_size
         self.max_latency_s = max_latency_s
+        self.max_requests = max_requests
+        self._request_bound = math.inf if max_requests is None else max_requests
         self.model = LatencyModel(
             window=sample_window,
             half_life=half_life,
@@ -286,6 +294,8 @@ class AdaptivePolicy:
         rows = self._queued_rows + request.rows
         if rows <= max(self.cap, self._next_rows) or rows > self.max_batch_size:
             return False
+        if len(self._queue) + 1 > self._request_bound:
+            return False
         start, running_s = self._next_start(now)
         batch_s = self._mean_intercept_s + self._mean_slope_s * rows
         sums = _Sums(running_s)
@@ -314,6 +324,11 @@ class AdaptivePolicy:
             self._high_intercept_s, self._high_slope_s, rows_rate, self.max_latency_s,
             self.max_batch_size,
         )
+        if self.max_requests is not None and request_rate > 0:
+            # Batches end at max_requests when requests are small: what a full one holds
+            # then, at the mean size lately, is the cap promises must count with.
+            full = self.max_requests * rows_rate / request_rate
+            self.cap = max(1, min(self.cap, int(full)))
         intercept = self._fit.intercept_s
         self.target_rows = rows_rate * intercept
         self.window_s = max(0.0, intercept - 1.0 / request_rate) if request_rate > 0 else 0.0
@@ -348,8 +363,9 @@ class AdaptivePolicy:
     def _decide(self, now: float) -> tuple[Reason | None, float | None]:
         """Release now (with why), or the time by which to look again."""
         rows = self._queued_rows
-        if rows >= self.cap:
-            return ("full" if self.cap >= self.max_batch_size else "cap"), None
+        if rows >= self.cap or len(self._queue) >= self._request_bound:
+            full = self.cap >= self.max_batch_size or len(self._queue) >= self._request_bound
+            return ("full" if full else "cap"), None
         if rows >= self.target_rows or self.window_s <= 0.0:
             return "idle", None
         window_end = self._queue[0].arrival + self.window_s
@@ -378,7 +394,7 @@ class AdaptivePolicy:
         wait = self._queue_wait_s
         while queue:
             request = queue[0]
-            if taken and rows + request.rows > limit:
+            if taken and (rows + request.rows > limit or len(taken) >= self._request_bound):
                 break
             queue.popleft()
             self._queued_rows -= request.rows

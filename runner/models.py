@@ -49,7 +49,9 @@ class Model:
         self.runner = runner
         self._function = function
         self._torch = torch
+        # Batch inputs (offsets, lengths) come after the inputs; together they are keywords.
         self._names = [spec.name for spec in runner.inputs]
+        self._names += [made.name for made in runner.batch_inputs]
         self._outputs = [spec for spec in runner.outputs]
 
     def __call__(self, inputs: ModelInputs) -> Tensors:

@@ -94,7 +94,8 @@ class FailureCode(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """Run `tensors`, `rows` along the input batch dimension, within `budget_s` seconds.
+    """Run `tensors`, `rows` along the input batch dimension (1 for a request of ragged or
+    pad inputs: one sequence), within `budget_s` seconds.
 
     The sender counted the rows when it checked the tensors; the runner checks that they
     agree instead of counting again wherever it needs them.

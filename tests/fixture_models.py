@@ -67,6 +67,34 @@ def gated_echo(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def _record(line: str) -> None:
+    """Append one line about a batch to `batches.log` beside this module."""
+    with Path(__file__).with_name("batches.log").open("a") as log:
+        log.write(line + "\n")
+
+
+def ragged_sums(
+    tokens: np.ndarray, ends: np.ndarray, counts: np.ndarray, bounds: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Each request's sum and length, found through the batch inputs (which must agree);
+    records each batch's requests, elements and ends."""
+    if not (np.array_equal(ends, np.cumsum(counts)) and np.array_equal(bounds[1:], ends)
+            and bounds[0] == 0 and ends[-1] == tokens.size):
+        raise ValueError(f"batch inputs disagree: {ends}, {counts}, {bounds}, {tokens.size}")
+    _record(f"ragged {ends.size} {tokens.size} {' '.join(map(str, ends))}")
+    sums = np.add.reduceat(tokens, bounds[:-1])
+    return {"sum": sums[:, None], "length": counts[:, None].astype(np.int64)}
+
+
+def padded_sums(tokens: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
+    """Each request's sum and length from a padded batch, whose padding must be -7;
+    records each batch's rows, real elements and padded width."""
+    real = np.arange(tokens.shape[1]) < lengths[:, None]
+    if tokens.shape[1] != lengths.max() or not (tokens[~real] == -7).all():
+        raise ValueError(f"bad padding: {tokens.tolist()} for lengths {lengths.tolist()}")
+    _record(f"pad {tokens.shape[0]} {int(lengths.sum())} {tokens.shape[1]}")
+    sums = np.where(real, tokens, 0).sum(axis=1)
+    return {"sum": sums[:, None], "length": lengths[:, None].astype(np.int64)}
 def tagged_batch(text: np.ndarray, tag: PerRequest) -> dict[str, np.ndarray]:
     """Tells each row its own request's `tag` (a non-batchable BYTES input, one item per
     request) and how many requests shared its batch; holds each batch 50 ms so that

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from batchserve.runner.adaptive import AdaptivePolicy
-from batchserve.runner.config import RunnerConfig, TensorSpec
+from batchserve.runner.config import BatchInput, RunnerConfig, TensorSpec
 from batchserve.runner.dispatcher import Dispatcher, Rejection
 from batchserve.runner.metrics import RunnerMetrics
 from batchserve.runner.models import Model
@@ -299,3 +299,45 @@ async def test_too_large_is_judged_against_the_runners_own_limit_not_the_budget_
     assert refused.message.endswith(
         "over its max_latency_ms of 1000; send at most 10 rows a request"
     ), refused.message
+
+
+class PerElement(GreedyPolicy):
+    """Greedy, with an idle cost of 1 ms per element: what a ragged request needs is known."""
+
+    def idle_time_s(self, rows: int) -> float:
+        return rows * 0.001
+
+
+async def test_a_sequence_too_long_for_the_runners_own_limit_is_413_and_not_for_a_budget(
+) -> None:
+    runner = RunnerConfig(
+        name="sums", model="tests:sums",
+        inputs=(TensorSpec("tokens", "INT64", (-1,), layout="ragged"),),
+        outputs=(TensorSpec("sum", "INT64", (-1,)),),
+        batching=type(RUNNER.batching)(True, 8, 100.0, max_batch_elements=1000),
+        batch_inputs=(BatchInput("accumulated_element_count", "ends", "tokens"),),
+    )
+
+    def sums(tokens: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        return np.add.reduceat(tokens, np.concatenate(([0], ends[:-1])))
+
+    d = Dispatcher(runner, Model(runner, sums, torch=False), PerElement(1000),
+                   RunnerMetrics("test-dispatcher-ragged"))
+    await d.start()
+
+    async def send(length: int, budget: float) -> Tensors | Rejection:
+        future: asyncio.Future[Tensors | Rejection] = asyncio.get_running_loop().create_future()
+        d.submit({"tokens": np.ones(length, np.int64)}, 1, budget, future.set_result)
+        return await future
+
+    long = await send(500, 10.0)
+    assert isinstance(long, Rejection) and long.code == FailureCode.TOO_LARGE
+    assert long.message == (
+        "500 elements need 500.0 ms on runner 'sums' even when it is idle, by its current cost "
+        "model, over its max_latency_ms of 100; send at most 100 elements a request"
+    )
+    # 80 elements fit the runner's 100 ms even if not this request's 50 ms: never a 413.
+    hurried = await send(80, 0.05)
+    assert not (isinstance(hurried, Rejection) and hurried.code == FailureCode.TOO_LARGE)
+    fits = await send(80, 10.0)
+    assert not isinstance(fits, Rejection) and fits["sum"].tolist() == [80]
