@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +54,12 @@ runners:
     outputs:
       - {name: sum, datatype: INT64, shape: [-1, 1]}
       - {name: length, datatype: INT64, shape: [-1, 1]}
+  slow_sums:
+    model: fixture_models:slow_ragged_sums
+    batching: {max_batch_size: 8, max_batch_elements: 200, max_latency_ms: 100}
+    inputs: [{name: tokens, datatype: INT64, shape: [-1], ragged: true}]
+    batch_inputs: [{kind: accumulated_element_count, name: ends, source: tokens}]
+    outputs: [{name: sum, datatype: INT64, shape: [-1, 1]}]
 """
 
 
@@ -186,6 +193,29 @@ def test_bad_ragged_inputs_are_400_naming_the_input(
         answer = client.post("/v2/models/sums/infer", json=request)
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"] == message
+
+
+def test_a_sequence_the_model_cannot_run_within_the_limit_even_idle_is_413_in_elements(
+    server: tuple[Server, Path],
+) -> None:
+    """150 elements at 2 ms each need some 300 ms, over max_latency_ms 100: refused at once,
+    by the runner's cost model in elements, though 200 would pass max_batch_elements."""
+    with server[0].client() as client:
+        long = client.post("/v2/models/slow_sums/infer", json=body(np.ones(150, np.int64)))
+        short = client.post("/v2/models/slow_sums/infer", json=body(np.ones(5, np.int64)))
+    assert long.status_code == 413, long.text
+    assert "retry-after" not in long.headers
+    error = long.json()["error"]
+    match = re.fullmatch(
+        r"150 elements need ([\d.]+) ms on runner 'slow_sums' even when it is idle, by its "
+        r"current cost model, over its max_latency_ms of 100; send at most (\d+) elements a "
+        r"request",
+        error,
+    )
+    assert match is not None, error
+    assert float(match[1]) > 100.0 and 0 < int(match[2]) < 150
+    assert short.status_code == 200, short.text
+    assert short.json()["outputs"][0]["data"] == [5]
 
 
 def test_metadata_and_the_python_client_treat_a_request_as_one_sequence(
