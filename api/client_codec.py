@@ -11,12 +11,18 @@ tensor or a scalar, is refused with a `ValueError` that says to convert it with 
 so nothing is copied or reinterpreted behind the caller's back. An array whose dtype differs
 from the input's datatype is cast when numpy calls that cast `same_kind` (float64 to FP32,
 int64 to FP32), and refused otherwise (floats for an integer input).
+
+A BYTES input takes an array of `bytes` or `str` elements (an object array, or numpy's `S` and
+`U` kinds); strings go as UTF-8, and BYTES outputs come back as object arrays of `bytes`. An
+input the metadata marks `batchable: false` has no batch dimension: it does not count rows,
+and every chunk of a split batch carries it whole.
 """
 
 from __future__ import annotations
 
 import email.utils
 import math
+import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +33,7 @@ import numpy as np
 import orjson
 
 from batchserve.runner.signature import batch_rows
-from batchserve.runner.types import DATATYPES, Tensors
+from batchserve.runner.types import BYTES, DATATYPES, Tensors
 
 __all__ = [
     "HEADER_LENGTH",
@@ -50,6 +56,7 @@ __all__ = [
 ]
 
 HEADER_LENGTH: Final = "Inference-Header-Content-Length"
+_LENGTH: Final = struct.Struct("<I")  # a BYTES element's length in binary data
 
 ChunkingStrategy = Callable[[Mapping[str, np.ndarray], int], Iterable[Mapping[str, np.ndarray]]]
 """Takes the named inputs and the server's max batch size; yields chunks of named inputs whose
@@ -88,6 +95,7 @@ class TensorInfo:
     name: str
     datatype: str
     shape: tuple[int, ...]
+    batchable: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +108,11 @@ class ModelMetadata:
     max_batch_size: int | None = None
     input_batch_dim: int = 0
     output_batch_dim: int = 0
+
+    @property
+    def unbatched(self) -> frozenset[str]:
+        """The inputs without a batch dimension."""
+        return frozenset(spec.name for spec in self.inputs if not spec.batchable)
 
     @classmethod
     def parse(cls, document: Any) -> ModelMetadata:
@@ -118,7 +131,10 @@ class ModelMetadata:
 
 
 def _tensor_info(item: Any) -> TensorInfo:
-    return TensorInfo(str(item["name"]), str(item["datatype"]), tuple(map(int, item["shape"])))
+    batchable = (item.get("parameters") or {}).get("batchable", True) is not False
+    return TensorInfo(
+        str(item["name"]), str(item["datatype"]), tuple(map(int, item["shape"])), batchable
+    )
 
 
 def _optional_int(value: Any) -> int | None:
@@ -164,9 +180,11 @@ def _array(spec: TensorInfo, value: Any) -> np.ndarray:
             "(np.asarray converts lists and most tensors)"
         )
     dtype = DATATYPES.get(spec.datatype)
-    if dtype is None or spec.datatype == "BYTES":
+    if dtype is None:
         raise ValueError(f"input {spec.name!r} has datatype {spec.datatype}, which this client "
                          "does not send")
+    if dtype == BYTES:
+        return _bytes_array(spec.name, value)
     if value.dtype == dtype:
         return value
     if not np.can_cast(value.dtype, dtype, "same_kind"):
@@ -175,6 +193,22 @@ def _array(spec: TensorInfo, value: Any) -> np.ndarray:
             f"({dtype}) or a type that casts to it without changing kind"
         )
     return value.astype(dtype)
+
+
+def _bytes_array(name: str, value: np.ndarray) -> np.ndarray:
+    """A BYTES input as an object array of `bytes`: `str` elements become their UTF-8."""
+    if value.dtype.kind not in "OSU":
+        raise ValueError(f"input {name!r} is an array of {value.dtype}; expected BYTES: "
+                         "bytes or str elements")
+    elements = np.empty(value.shape, object)
+    for index, item in np.ndenumerate(value):
+        if isinstance(item, str):
+            item = item.encode()
+        elif not isinstance(item, bytes):
+            raise ValueError(f"input {name!r} holds a {type(item).__name__} at {list(index)}; "
+                             "expected BYTES: bytes or str elements")
+        elements[index] = item
+    return elements
 
 
 # --- chunking -----------------------------------------------------------------------------------
@@ -221,15 +255,23 @@ def plan_call(
     """Check the inputs and cut them into chunks when they have more rows than the limit
     (`max_batch_size`, else the metadata's); `sample` adds and removes a batch dimension."""
     if sample:  # one row: add the batch dimension here, take it off the answer
-        positional = [_add_batch_dim(value, metadata) for value in positional]
-        named = {name: _add_batch_dim(value, metadata) for name, value in named.items()}
+        names = [spec.name for spec in metadata.inputs][: len(positional)]
+        names += [""] * (len(positional) - len(names))  # extras are refused in check_inputs
+        positional = [
+            _add_batch_dim(value, metadata, name)
+            for value, name in zip(positional, names, strict=True)
+        ]
+        named = {name: _add_batch_dim(value, metadata, name) for name, value in named.items()}
     inputs = check_inputs(metadata, positional, named)
-    rows = batch_rows(inputs, metadata.input_batch_dim)
+    unbatched = metadata.unbatched
+    rows = batch_rows(inputs, metadata.input_batch_dim, unbatched)
     limit = max_batch_size or metadata.max_batch_size
     chunks: tuple[Tensors, ...] = (inputs,)
     if limit is not None and rows > limit:
         strategy = chunking or split_along(metadata.input_batch_dim)
-        chunks = tuple(dict(chunk) for chunk in strategy(inputs, limit))
+        batched = {name: array for name, array in inputs.items() if name not in unbatched}
+        whole = {name: array for name, array in inputs.items() if name in unbatched}
+        chunks = tuple({**chunk, **whole} for chunk in strategy(batched, limit))
         if not chunks:
             raise ValueError("the chunking strategy returned no chunks")
     axis = metadata.output_batch_dim
@@ -244,9 +286,9 @@ def plan_call(
     return Plan(chunks, finish)
 
 
-def _add_batch_dim(value: Any, metadata: ModelMetadata) -> Any:
+def _add_batch_dim(value: Any, metadata: ModelMetadata, name: str) -> Any:
     # Anything but an array goes through as it is, to be refused by name in check_inputs.
-    if isinstance(value, np.ndarray):
+    if isinstance(value, np.ndarray) and name not in metadata.unbatched:
         return np.expand_dims(value, metadata.input_batch_dim)
     return value
 
@@ -266,11 +308,11 @@ def encode_request(
             "name": name, "datatype": specs[name].datatype, "shape": list(array.shape),
         }
         if binary:
-            data = np.ascontiguousarray(array)
-            tensor["parameters"] = {"binary_data_size": data.nbytes}
-            blobs.append(data.data.cast("B") if data.nbytes else b"")
+            blob = _binary(array)
+            tensor["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
         else:
-            tensor["data"] = array.reshape(-1).tolist()
+            tensor["data"] = _json_data(name, array)
         tensors.append(tensor)
     document = {
         "inputs": tensors,
@@ -284,6 +326,28 @@ def encode_request(
         return header, {"Content-Type": "application/json"}
     headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
     return b"".join([header, *blobs]), headers
+
+
+def _binary(array: np.ndarray) -> bytes | memoryview:
+    """Raw little-endian elements; a BYTES tensor's elements each behind a 4-byte length."""
+    if array.dtype == BYTES:
+        return b"".join(
+            part for item in array.flat for part in (_LENGTH.pack(len(item)), item)
+        )
+    data = np.ascontiguousarray(array)
+    return data.data.cast("B") if data.nbytes else b""
+
+
+def _json_data(name: str, array: np.ndarray) -> list[Any]:
+    """The flat JSON data: BYTES as strings, which JSON can carry only for UTF-8 text."""
+    if array.dtype != BYTES:
+        data: list[Any] = array.reshape(-1).tolist()
+        return data
+    try:
+        return [item.decode() for item in array.flat]
+    except UnicodeDecodeError:
+        raise ValueError(f"input {name!r} holds bytes that are not UTF-8, which JSON cannot "
+                         "carry; send it with binary=True") from None
 
 
 def decode_response(headers: Mapping[str, str], content: bytes) -> Tensors:
@@ -305,6 +369,8 @@ def _output(item: Mapping[str, Any], content: bytes, offset: int) -> tuple[np.nd
     dtype = DATATYPES[item["datatype"]]
     shape = tuple(item["shape"])
     size = (item.get("parameters") or {}).get("binary_data_size")
+    if dtype == BYTES:
+        return _bytes_output(item, shape, size, content, offset)
     if size is None:
         return np.asarray(item["data"], dtype).reshape(shape), offset
     count = math.prod(shape)
@@ -313,6 +379,30 @@ def _output(item: Mapping[str, Any], content: bytes, offset: int) -> tuple[np.nd
                          f"not fit shape {list(shape)} of {item['datatype']}")
     array = np.frombuffer(content, dtype, count, offset).reshape(shape).copy()
     return array, offset + size
+
+
+def _bytes_output(
+    item: Mapping[str, Any], shape: tuple[int, ...], size: int | None, content: bytes, offset: int
+) -> tuple[np.ndarray, int]:
+    """A BYTES output as an object array of `bytes`, from JSON strings or length-prefixed
+    binary data."""
+    elements = np.empty(math.prod(shape), object)
+    if size is None:
+        elements[:] = [text.encode() for text in item["data"]]
+        return elements.reshape(shape), offset
+    end, at = offset + size, offset
+    for index in range(elements.size):
+        if at + _LENGTH.size > end:
+            raise ValueError(f"output {item['name']!r} has BYTES data that end at element {index}")
+        (length,) = _LENGTH.unpack_from(content, at)
+        at += _LENGTH.size
+        if at + length > end:
+            raise ValueError(f"output {item['name']!r} has BYTES element {index} past its data")
+        elements[index] = bytes(content[at : at + length])
+        at += length
+    if at != end:
+        raise ValueError(f"output {item['name']!r} has {end - at} bytes past its elements")
+    return elements.reshape(shape), end
 
 
 # --- error answers and retries ------------------------------------------------------------------

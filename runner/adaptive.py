@@ -11,10 +11,18 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from batchserve.runner.latency_model import Fit, LatencyModel, RateEstimator, Timing, fit_samples
+from batchserve.runner.latency_model import (
+    Fit,
+    Gaps,
+    LatencyModel,
+    RateEstimator,
+    Timing,
+    fit_samples,
+)
 from batchserve.runner.policy import Batch, PolicyStats, Reason, Request, Step
 
 HOLD_MIN_ARRIVALS = 2.0
@@ -35,6 +43,41 @@ each batch alone (one batch rarely hits at once with another), which gives that 
 normal part still adds in quadrature (docs/dispatcher.md, "The tail")."""
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """Every tuning constant of the adaptive policy and its latency model, in one place.
+
+    The defaults are what docs/dispatcher.md measures; a user has no reason to change them,
+    which is why the configuration file does not expose them. Tests and experiments do.
+    """
+
+    quantile_k: float = 3.0
+    """Spreads above the line that a batch's high quantile sits (about its p99.9)."""
+    promise_k: float = 3.3
+    """The same for a promise over several batches: a little higher, for the 0.1% late target
+    summed over the batches a request waits for."""
+    sample_window: int = 128
+    """Measured batches the regression keeps."""
+    half_life: float = 32.0
+    """Batches back at which a measured batch weighs half as much as the newest."""
+    calibration_weight: float = 0.1
+    """Weight of each start-up timing against a measured batch, so traffic soon dominates."""
+    calibration_repeats: int = 2
+    """Times each calibration size is run at start-up."""
+    rate_tau_s: float = 0.1
+    """Time constant of the arrival-rate estimates."""
+    refit_every: int = 16
+    """Batches between refits, at the least ..."""
+    refit_period_s: float = 0.25
+    """... and seconds between them ..."""
+    refit_rows: int = 64
+    """... and rows measured since the last one."""
+    hold_share: float = 0.05
+    """The longest hold for more rows, as a share of the latency limit ..."""
+    hold_intercepts: float = 10.0
+    """... and as a multiple of the batch intercept, whichever is shorter."""
+
+
 class AdaptivePolicy:
     """Deadline-aware adaptive batching driven by a latency model (docs/dispatcher.md).
 
@@ -49,19 +92,8 @@ class AdaptivePolicy:
         self,
         max_batch_size: int,
         max_latency_s: float,
+        tuning: Tuning = Tuning(),
         *,
-        quantile_k: float = 3.0,
-        promise_k: float = 3.3,
-        sample_window: int = 128,
-        half_life: float = 32.0,
-        calibration_weight: float = 0.1,
-        calibration_repeats: int = 2,
-        rate_tau_s: float = 0.1,
-        refit_every: int = 16,
-        refit_period_s: float = 0.25,
-        refit_rows: int = 64,
-        hold_share: float = 0.05,
-        hold_intercepts: float = 10.0,
         max_requests: int | None = None,
     ) -> None:
         """`max_batch_size` caps a batch in the units requests are sized in (`Request.rows`:
@@ -77,19 +109,13 @@ class AdaptivePolicy:
         self.max_latency_s = max_latency_s
         self.max_requests = max_requests
         self._request_bound = math.inf if max_requests is None else max_requests
+        self.tuning = tuning
         self.model = LatencyModel(
-            window=sample_window,
-            half_life=half_life,
-            calibration_weight=calibration_weight,
-            quantile_k=quantile_k,
+            window=tuning.sample_window,
+            half_life=tuning.half_life,
+            calibration_weight=tuning.calibration_weight,
+            quantile_k=tuning.quantile_k,
         )
-        self.promise_k = promise_k
-        self.calibration_repeats = calibration_repeats
-        self.refit_every = refit_every
-        self.refit_period_s = refit_period_s
-        self.refit_rows = refit_rows
-        self.hold_share = hold_share
-        self.hold_intercepts = hold_intercepts
         self._last_refit = -math.inf
         self.cap = max_batch_size
         self.window_s = 0.0
@@ -103,15 +129,20 @@ class AdaptivePolicy:
         self._done_mean = 0.0
         self._running_mean_s = 0.0
         self._probe = -1  # the id of the last request an idle model admitted on its cost curve
-        self._request_rate = RateEstimator(rate_tau_s)
-        self._row_rate = RateEstimator(rate_tau_s)
-        self._admitted_rate = RateEstimator(rate_tau_s)  # rows/s; refused rows never join
-        self._admitted_now = RateEstimator(rate_tau_s / 5.0)  # sees a step within milliseconds
+        self._request_rate = RateEstimator(tuning.rate_tau_s)
+        self._row_rate = RateEstimator(tuning.rate_tau_s)
+        # rows/s admitted (refused rows never join), and the same seeing a step within ms
+        self._admitted_rate = RateEstimator(tuning.rate_tau_s)
+        self._admitted_now = RateEstimator(tuning.rate_tau_s / 5.0)
         self._queue_wait_s = 0.0
         self._fresh = 0
         self._fresh_rows = 0
         self._shifted = False
         self._pending_since: float | None = None
+        self._gaps = Gaps()
+        self._last_finished: float | None = None
+        self._just_completed = False  # the next poll follows a batch's end
+        self._chained = False  # the running batch went out at once after the one before
         self._use(Fit())
 
     # --- the contract ---------------------------------------------------------------------
@@ -135,6 +166,7 @@ class AdaptivePolicy:
         queue = self._queue
         if self._running is not None:
             return Step(expired=expired, wake_at=queue[0].deadline if queue else None)
+        chained, self._just_completed = self._just_completed, False
         if not queue:
             return Step(expired=expired)
         self._retune(now)
@@ -142,12 +174,16 @@ class AdaptivePolicy:
         if reason is None:
             return Step(expired=expired, wake_at=wake_at)
         batch, dropped = self._take(now, reason)
+        self._chained = chained and batch is not None
         return Step(batch=batch, expired=expired + dropped)
 
     def complete(
         self, batch: Batch, started: float, finished: float, cpu_s: float | None = None
     ) -> None:
         self._running = None
+        if self._chained and self._last_finished is not None:
+            self._gaps.add(started - self._last_finished)
+        self._last_finished, self._just_completed = finished, True
         elapsed = finished - started
         rows = batch.rows
         if self.model.add(rows, elapsed, elapsed if cpu_s is None else cpu_s):
@@ -169,11 +205,12 @@ class AdaptivePolicy:
             target_rows=self.target_rows,
             spread=fit.spread,
             stretch=fit.stretch,
+            gap_s=self._gaps.mean_s,
         )
 
     def calibration_sizes(self) -> tuple[int, ...]:
         sizes = sorted({min(2**i, self.max_batch_size) for i in range(32)})
-        return tuple(sizes) * self.calibration_repeats
+        return tuple(sizes) * self.tuning.calibration_repeats
 
     def calibrate(self, timings: Sequence[Timing]) -> None:
         # Before the runner is ready nothing is latency-critical, so fit inline: the first
@@ -189,9 +226,9 @@ class AdaptivePolicy:
         # a second. Wait for enough new batches, rows and time, so that refits stay a small
         # share of the work served, unless the cost shifted (a run of slow batches).
         due = (
-            self._fresh >= self.refit_every
-            and self._fresh_rows >= self.refit_rows
-            and now - self._last_refit >= self.refit_period_s
+            self._fresh >= self.tuning.refit_every
+            and self._fresh_rows >= self.tuning.refit_rows
+            and now - self._last_refit >= self.tuning.refit_period_s
         )
         if not due and not (self._shifted and self._fresh > 0):
             return None
@@ -239,7 +276,7 @@ class AdaptivePolicy:
         first = max(cap, self._next_rows)
         total = self._queued_rows + rows
         if total <= first:
-            ahead, rest, room = 0.0, total, first
+            ahead, rest, room, batches = 0.0, total, first, 1
         else:
             first_s = intercept_s + slope_s * first
             full, rest = divmod(total - first, cap)
@@ -249,7 +286,10 @@ class AdaptivePolicy:
             ahead = first_s + full * batch_s
             sums.add(first_s)
             sums.add(batch_s, full)
-            room = cap
+            room, batches = cap, 2 + full
+        gaps = self._gaps
+        # One gap before every batch still to start, the worst of them at its high quantile.
+        ahead += batches * gaps.mean_s + (gaps.high_s - gaps.mean_s)
         rate = max(self._admitted_rate.rate(now), self._admitted_now.rate(now))
         joining = rate * (start + ahead - now)
         own_s = intercept_s + slope_s * min(room, rest + joining)
@@ -273,7 +313,8 @@ class AdaptivePolicy:
         k = self.model.quantile_k
         normal = min(self._margin, k * self._fit.spread)
         tail = self._margin - normal
-        return self.promise_k / k * normal * math.sqrt(sums.squares) + tail * sums.tail_norm()
+        normal_part = self.tuning.promise_k / k * normal * math.sqrt(sums.squares)
+        return normal_part + tail * sums.tail_norm()
 
     def _next_start(self, now: float) -> tuple[float, float]:
         """When the next batch is expected to start, and the mean time of the running batch
@@ -300,7 +341,7 @@ class AdaptivePolicy:
         batch_s = self._mean_intercept_s + self._mean_slope_s * rows
         sums = _Sums(running_s)
         sums.add(batch_s)
-        finish = start + batch_s + self._reserve(sums)
+        finish = start + self._gaps.high_s + batch_s + self._reserve(sums)
         earliest = min((queued.deadline for queued in self._queue), default=math.inf)
         if finish > min(earliest, request.deadline):
             return False
@@ -345,7 +386,8 @@ class AdaptivePolicy:
         load a short hold, a small slice of the latency limit and a few intercepts at most,
         gathers batches large enough to amortise that (docs/dispatcher.md, "Release").
         """
-        return min(self.hold_share * self.max_latency_s, self.hold_intercepts * intercept_s)
+        tuning = self.tuning
+        return min(tuning.hold_share * self.max_latency_s, tuning.hold_intercepts * intercept_s)
 
     # --- decisions ------------------------------------------------------------------------
 

@@ -82,6 +82,8 @@ _GAUGES = {
                 "Fitted time per row (per element for ragged or pad inputs)"),
     "p99_batch_s": ("batchserve_predicted_batch_p99_seconds", "Predicted p99 time at the cap"),
     "stretch": ("batchserve_latency_model_stretch", "Wall time over the cost curve, lately"),
+    "gap_s": ("batchserve_dispatcher_gap_seconds",
+              "Mean idle time of the model between two batches run back to back, lately"),
     "arrival_rps": ("batchserve_arrival_rate", "Estimated arrivals per second"),
     "queued": ("batchserve_queue_depth", "Requests waiting in the dispatcher's queue"),
 }

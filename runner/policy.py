@@ -80,6 +80,7 @@ class PolicyStats:
     target_rows: float = 0.0
     spread: float = 0.0
     stretch: float = 1.0
+    gap_s: float = 0.0
 
 
 class Policy(Protocol):

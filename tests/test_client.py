@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -176,6 +177,59 @@ def test_the_readme_example_runs(bundled: Server) -> None:
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert "http://127.0.0.1:3000" in code
     exec(code.replace("http://127.0.0.1:3000", bundled.url), {})
+
+
+def local_text_features(texts: list[bytes], separator: bytes) -> tuple[np.ndarray, list[bytes]]:
+    """The bundled `text_features` worked out by hand: characters, bytes, words, hash bucket."""
+    features, normalized = [], []
+    for raw in texts:
+        decoded = raw.decode(errors="replace")
+        words = [word for word in decoded.split(separator.decode() or None) if word]
+        joined = " ".join(words).encode()
+        features.append((len(decoded), len(raw), len(words), (zlib.crc32(joined) % 1024) / 1024))
+        normalized.append(joined)
+    return np.asarray(features, np.float32), normalized
+
+
+@pytest.mark.parametrize("binary", [True, False])
+@pytest.mark.parametrize("front", FRONTS)
+def test_bytes_inputs_and_outputs_and_an_input_without_a_batch_dimension(
+    bundled: Server, front: str, binary: bool
+) -> None:
+    # 150 rows: three chunks of at most 64, each carrying the one separator whole.
+    texts = [f"row {i}|é|{'w' * (i % 7)}".encode() for i in range(150)]
+    text = np.array(texts, dtype=object)
+    outputs = infer(front, bundled.url, "text_features", options={"binary": binary},
+                    text=text, separator=np.array(["|"]))
+    features, normalized = local_text_features(texts, b"|")
+    np.testing.assert_allclose(outputs["features"], features)
+    assert outputs["normalized"].dtype == object and list(outputs["normalized"]) == normalized
+
+
+def test_one_bytes_sample_as_numpy_strings(bundled: Server) -> None:
+    with ModelClient(bundled.url, "text_features") as client:
+        outputs = client.infer_sample(text=np.array("  two   words "), separator=np.array([b""]))
+    assert outputs["normalized"] == b"two words"
+    expected, _ = local_text_features([b"  two   words "], b"")
+    np.testing.assert_allclose(outputs["features"], expected[0])
+
+
+def test_bytes_that_json_cannot_carry_are_refused_before_sending(bundled: Server) -> None:
+    with ModelClient(bundled.url, "text_features", binary=False) as client, pytest.raises(
+        ValueError, match=re.escape("input 'text' holds bytes that are not UTF-8")
+    ):
+        client.infer_batch(text=np.array([b"\xff"], dtype=object), separator=np.array([""]))
+    with ModelClient(bundled.url, "text_features") as client:  # binary carries any bytes
+        outputs = client.infer_batch(text=np.array([b"\xff"], dtype=object),
+                                     separator=np.array([""]))
+    assert list(outputs["normalized"]) == ["\ufffd".encode()]
+
+
+def test_a_bytes_input_of_numbers_is_refused_by_name(bundled: Server) -> None:
+    with ModelClient(bundled.url, "text_features") as client, pytest.raises(
+        ValueError, match=re.escape("input 'text' is an array of int64; expected BYTES")
+    ):
+        client.infer_batch(text=np.arange(3), separator=np.array([""]))
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,7 @@ GAUGES = {
     "batchserve_arrival_rate",
     "batchserve_queue_depth",
     "batchserve_latency_model_stretch",
+    "batchserve_dispatcher_gap_seconds",
     "batchserve_runner_latency_limit_seconds",
     "batchserve_inflight_requests",
     "batchserve_runner_processes_connected",

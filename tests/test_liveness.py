@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from batchserve.api.loadgen import run_load
-from batchserve.runner.adaptive import AdaptivePolicy
+from batchserve.runner.adaptive import AdaptivePolicy, Tuning
 from batchserve.runner.dispatcher import Rejection
 from batchserve.runner.latency_model import Fit, Timing
 from batchserve.runner.policy import Batch, Request
@@ -120,7 +120,7 @@ class RefitFault(AdaptivePolicy):
     """Every refit job raises, or sleeps `seconds` before fitting."""
 
     def __init__(self, seconds: float | None) -> None:
-        super().__init__(4, 1.0, refit_every=1, refit_rows=1, refit_period_s=0.0)
+        super().__init__(4, 1.0, Tuning(refit_every=1, refit_rows=1, refit_period_s=0.0))
         self.seconds = seconds
         self.jobs = 0
 

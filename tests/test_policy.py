@@ -356,3 +356,37 @@ def test_an_idle_model_admits_what_fits_its_cost_curve_whatever_the_stretch() ->
     idle = AdaptivePolicy(64, SLO)
     idle.apply_fit(Fit(intercept_s=0.25, slope_s=0.05, factor=1.2, samples=1, stretch=1.0))
     assert not idle.offer(request(3, 0.0), 0.0)  # truly too slow on the curve: refused
+
+
+def test_promises_count_the_idle_gap_between_back_to_back_batches() -> None:
+    policy = adaptive(intercept=0.004, slope=0.0, size=1)
+    now = 0.0
+    policy.offer(request(0, now), now)
+    batch = policy.poll(now).batch
+    before = policy.promised_finish(1, now)
+    for ident in range(1, 33):  # each batch starts 2 ms after the one before ended
+        assert batch is not None
+        policy.offer(request(ident, now), now)
+        policy.complete(batch, now, now + 0.004)
+        now += 0.006
+        batch = policy.poll(now).batch
+    assert policy.stats(now).gap_s == pytest.approx(0.002)
+    # Two requests queued: three batches to start after the running one, each after a gap.
+    policy.offer(request(100, now), now)
+    policy.offer(request(101, now), now)
+    shift = policy.promised_finish(1, now) - policy._done_mean
+    assert shift == pytest.approx(3 * 0.004 + 3 * 0.002)
+    assert before == pytest.approx(0.008)  # no gaps seen yet: the running batch and its own
+
+
+def test_a_batch_held_for_more_rows_is_no_gap() -> None:
+    policy = adaptive(intercept=0.004, slope=0.0, size=1)
+    policy.offer(request(0, 0.0), 0.0)
+    batch = policy.poll(0.0).batch
+    for ident in range(1, 33):  # the queue is empty at each end: the next batch is no chain
+        assert batch is not None
+        policy.complete(batch, ident * 0.01, ident * 0.01 + 0.004)
+        assert policy.poll(ident * 0.01 + 0.004).batch is None
+        policy.offer(request(ident, ident * 0.01 + 0.009), ident * 0.01 + 0.009)
+        batch = policy.poll(ident * 0.01 + 0.009).batch
+    assert policy.stats(1.0).gap_s == 0.0
