@@ -84,6 +84,8 @@ class InferRequest:
     outputs: tuple[RequestedOutput, ...]
     timeout_s: float | None
     rows: int
+    group: tuple[str, ...] = ()
+    """The values of the runner's `group_by` parameters, as JSON texts."""
 
 
 # --- the runner's signature, prepared once per RunnerConfig -----------------------------------
@@ -350,7 +352,26 @@ def _decode_infer(
         outputs=_decode_outputs(document.get("outputs"), binary_default, signature, runner),
         timeout_s=_timeout(params),
         rows=signature.inputs.rows(inputs),
+        group=_group(params, runner),
     )
+
+
+def _group(params: Mapping[str, Any], runner: RunnerConfig) -> tuple[str, ...]:
+    """The request's values of the runner's `group_by` parameters: only requests whose values
+    are all equal share a batch."""
+    values = []
+    for name in runner.group_by:
+        if name not in params:
+            raise BadRequest(
+                f"runner {runner.name!r} batches requests by parameters "
+                f"{', '.join(runner.group_by)}; the request's parameters lack {name!r}"
+            )
+        value = params[name]
+        if not isinstance(value, str | int | float) or value != value:
+            raise BadRequest(f"parameters.{name} has value {show(value)}; expected a string, "
+                             "a number or a boolean")
+        values.append(orjson.dumps(value).decode())
+    return tuple(values)
 
 
 # --- encoding a response ------------------------------------------------------------------------

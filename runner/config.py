@@ -93,6 +93,12 @@ class RunnerConfig:
     threads: int = 1
     batch_timeout_ms: float | None = None
     batch_inputs: tuple[BatchInput, ...] = ()
+    group_by: tuple[str, ...] = ()
+    """Request parameters that must be equal within a batch (a translation model takes one
+    source and target language a call); the model gets their values as keyword arguments."""
+    group_timing: tuple[tuple[str, Any], ...] = ()
+    """The `group_by` values the model is timed with at start-up, where the configuration
+    gives them (`group_by` as a mapping); the model's own defaults otherwise."""
     addresses: tuple[Address, ...] = ()
     """Where this runner's processes listen when they run apart (`batchserve runner`); empty
     when `batchserve serve` starts them itself."""
@@ -333,7 +339,7 @@ def _batch_dim(key: str, value: Any, runner: RunnerConfig) -> tuple[int, int]:
 
 RUNNER_KEYS = {
     "model", "workers", "batching", "inputs", "outputs", "batch_dim", "threads",
-    "batch_timeout_ms", "batch_inputs", "addresses",
+    "batch_timeout_ms", "batch_inputs", "addresses", "group_by",
 }
 
 
@@ -457,9 +463,48 @@ def _runner(key: str, name: str, value: Any) -> RunnerConfig:
     batch_dim = _batch_dim(f"{key}.batch_dim", raw.get("batch_dim", [0, 0]), runner)
     _variable_length(key, runner)
     batch_inputs = _batch_inputs(f"{key}.batch_inputs", raw.get("batch_inputs"), runner)
-    return RunnerConfig(
-        **{**_fields(runner), "batch_dim": batch_dim, "batch_inputs": batch_inputs}
-    )
+    taken = {spec.name for spec in runner.inputs} | {made.name for made in batch_inputs}
+    group_by, group_timing = _group_by(f"{key}.group_by", raw.get("group_by", []), taken)
+    return RunnerConfig(**{
+        **_fields(runner), "batch_dim": batch_dim, "batch_inputs": batch_inputs,
+        "group_by": group_by, "group_timing": group_timing,
+    })
+
+
+def _group_by(
+    key: str, value: Any, inputs: set[str]
+) -> tuple[tuple[str, ...], tuple[tuple[str, Any], ...]]:
+    """Parameter names, each once, none an input's (the model gets both as keywords); as a
+    mapping, each with the value the model is timed with at start-up."""
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, list):
+        pairs = [(item, None) for item in value]
+    else:
+        raise _fail(key, value, "a list of request parameter names, or a mapping from each "
+                    "to the value the model is timed with at start-up")
+    names: list[str] = []
+    for i, (item, timing) in enumerate(pairs):
+        where = f"{key}[{i}]" if isinstance(value, list) else f"{key}.{item}"
+        name = _str(where, item)
+        if not name.isidentifier():
+            raise _fail(where, name, "a Python identifier (the model takes it as a keyword)")
+        if name in names or name in inputs:
+            what = "named twice" if name in names else "also an input's name"
+            raise ConfigError(f"{where} has value {name!r}, {what}; each must be distinct")
+        if name in RESERVED_PARAMETERS:
+            raise ConfigError(f"{where} has value {name!r}, a parameter the server reads itself")
+        if isinstance(value, dict) and not isinstance(timing, str | int | float):
+            raise _fail(where, timing, "a string, a number or a boolean to time the model with")
+        names.append(name)
+    if len(names) > 255:
+        raise ConfigError(f"{key} names {len(names)} parameters; at most 255")
+    timing_pairs = tuple(pairs) if isinstance(value, dict) else ()
+    return tuple(names), timing_pairs
+
+
+RESERVED_PARAMETERS = frozenset({"timeout", "binary_data_output"})
+"""Request parameters with a meaning of their own in the v2 protocol."""
 
 
 def _fields(obj: Any) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import sys
@@ -214,7 +215,7 @@ class Dispatcher:
 
     def _time(self, rows: int, tensors: Tensors) -> Timing:
         started, cpu = self.clock(), self.cpu_clock()
-        self.model(batching.join([tensors], self.runner.batch_dim[0], self.runner.unbatched))
+        self.model(self._join([tensors]), dict(self.runner.group_timing))
         return Timing(rows, self.clock() - started, self.cpu_clock() - cpu)
 
     @property
@@ -255,10 +256,17 @@ class Dispatcher:
         budget_s: float,
         reply: Reply,
         started: Started | None = None,
+        group: tuple[str, ...] = (),
     ) -> None:
         """Queue one request of `rows` rows, checked against the signature already (one row
         for ragged or pad inputs); `reply` is called exactly once, on the event loop, and
-        `started` whenever a batch holding it (or a piece of it) goes to the model."""
+        `started` whenever a batch holding it (or a piece of it) goes to the model. `group`
+        holds its values of the runner's `group_by` parameters, as JSON texts."""
+        if group or self.runner.group_by:
+            problem = self._group_problem(group)
+            if problem:
+                self._reply(reply, Rejection(FailureCode.INVALID, problem))
+                return
         if not self._accepting:
             self._reply(reply, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
             return
@@ -278,14 +286,15 @@ class Dispatcher:
             self._reply(reply, self._too_large(cost))
             return
         if cost <= self.max_cost:
-            self._offer(_Job(tensors, reply, started=started, rows=rows), cost, now, deadline)
+            job = _Job(tensors, reply, started=started, rows=rows)
+            self._offer(job, cost, now, deadline, group)
             return
         pieces = batching.chunk(
             tensors, rows, self.runner.batch_dim[0], self.max_cost, self.runner.unbatched
         )
         whole = _Whole(reply, [None] * len(pieces), len(pieces))
         for index, (piece, size) in enumerate(pieces):
-            self._offer(_Job(piece, reply, whole, index, started, size), size, now, deadline)
+            self._offer(_Job(piece, reply, whole, index, started, size), size, now, deadline, group)
 
     def _least_time_s(self, cost: int) -> float:
         """What a request of `cost` (rows, or elements) needs on an idle model: full batches
@@ -309,10 +318,12 @@ class Dispatcher:
             f"max_latency_ms of {self.runner.batching.max_latency_ms:g}; {advice}"
         ))
 
-    def _offer(self, job: _Job, rows: int, now: float, deadline: float) -> None:
+    def _offer(
+        self, job: _Job, rows: int, now: float, deadline: float, group: tuple[str, ...]
+    ) -> None:
         ident = next(self._ids)
         self._jobs[ident] = job
-        if not self.policy.offer(Request(ident, rows, now, deadline), now):
+        if not self.policy.offer(Request(ident, rows, now, deadline, group), now):
             retry = max(self.max_latency_s, 0.001)
             self._answer(ident, Rejection(
                 FailureCode.REFUSED,
@@ -372,7 +383,8 @@ class Dispatcher:
                 job.started()
         parts = [job.tensors for job in jobs]
         sizes = [job.rows for job in jobs]
-        future = self._model_thread.submit(self._execute, parts, sizes)
+        options = self._options(batch.requests[0].group)
+        future = self._model_thread.submit(self._execute, parts, sizes, options)
         future.add_done_callback(lambda done: self._to_loop(self._completed, batch, done))
         self._watchdog = self._loop.call_later(
             self.runner.batch_timeout_s, self._overran, batch
@@ -405,22 +417,46 @@ class Dispatcher:
         with contextlib.suppress(RuntimeError):  # the loop closed after a drain
             self._loop.call_soon_threadsafe(callback, *args)
 
-    def _execute(self, parts: list[Tensors], sizes: list[int]) -> _Outcome:
+    def _group_problem(self, group: tuple[str, ...]) -> str:
+        """What is wrong with a call's group values, or nothing: one JSON value for each
+        `group_by` parameter (the API writes them so; another peer may not)."""
+        names = self.runner.group_by
+        if len(group) != len(names):
+            return (f"runner {self.runner.name!r} batches by {len(names)} parameters; the call "
+                    f"carried {len(group)} values")
+        for name, text in zip(names, group, strict=True):
+            try:
+                json.loads(text)
+            except ValueError:
+                return f"the call's value of parameter {name!r} is not JSON"
+        return ""
+
+    def _options(self, group: tuple[str, ...]) -> dict[str, Any]:
+        """The `group_by` parameters' values, as the model takes them: keywords."""
+        return {name: json.loads(text) for name, text in zip(self.runner.group_by, group,
+                                                                strict=True)}
+
+    def _execute(
+        self, parts: list[Tensors], sizes: list[int], options: dict[str, Any]
+    ) -> _Outcome:
         """On the model thread: join, run, split; errors become an outcome, never a crash."""
         started, cpu = self.clock(), self.cpu_clock()
-        pieces = self._run(parts, sizes)
+        pieces = self._run(parts, sizes, options)
         return _Outcome(pieces, started, self.clock(), self.cpu_clock() - cpu, sum(sizes))
 
-    def _run(self, parts: list[Tensors], sizes: list[int]) -> list[Tensors | str]:
+    def _run(
+        self, parts: list[Tensors], sizes: list[int], options: dict[str, Any]
+    ) -> list[Tensors | str]:
         """Each request's outputs; a batch the model fails on is split in halves until the
         requests that make it fail stand alone, so only they fail (a poison request)."""
         try:
-            outputs = self.model(self._join(parts))
+            outputs = self.model(self._join(parts), options)
             return list(batching.split(outputs, sizes, self.runner.batch_dim[1]))
         except Exception as exc:
             if len(parts) > 1:
                 half = len(parts) // 2
-                return self._run(parts[:half], sizes[:half]) + self._run(parts[half:], sizes[half:])
+                return (self._run(parts[:half], sizes[:half], options)
+                        + self._run(parts[half:], sizes[half:], options))
             log.exception("runner %s: a request of %d rows failed", self.runner.name, sizes[0])
             return [f"{type(exc).__name__}: {exc}"]
 

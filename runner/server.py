@@ -135,7 +135,8 @@ class Connection(asyncio.BufferedProtocol):
                 return
             reply = functools.partial(self._reply, message.id)
             started = functools.partial(self._started, message.id)
-            self.dispatcher.submit(message.tensors, message.rows, message.budget_s, reply, started)
+            self.dispatcher.submit(message.tensors, message.rows, message.budget_s, reply, started,
+                                   message.group)
         elif isinstance(message, Ping):
             self._send(Pong(message.id))
         else:

@@ -111,3 +111,14 @@ def tagged_batch(text: np.ndarray, tag: PerRequest) -> dict[str, np.ndarray]:
         raise TypeError(f"tag came as {type(tag).__name__}, not one item per request")
     tags = np.array([bytes(item[0]) for item in tag.per_row()] or [], dtype=object)
     return {"tag": tags, "requests": np.full(len(text), len(tag), np.int64), "echo": text}
+
+
+def scaled(x: np.ndarray, *, factor: float = 1.0, shift: int = 0) -> dict[str, np.ndarray]:
+    """`x * factor + shift`, for one factor and shift a batch (the runner groups by both),
+    and how many rows shared the batch; holds each batch 5 ms so concurrent requests queue
+    up and batch together."""
+    time.sleep(0.005)
+    if not isinstance(factor, int | float) or not isinstance(shift, int):
+        raise TypeError(f"factor {factor!r} and shift {shift!r} must be numbers")
+    rows = np.full((len(x), 1), len(x), np.int64)
+    return {"y": (x * factor + shift).astype(np.float32), "rows": rows}
