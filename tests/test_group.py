@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import yaml
 
+from batchserve.api.client import ModelClient
 from batchserve.runner.config import ConfigError, parse
 from tests.conftest import ROOT, Server, start_server
+from tests.test_client import FRONTS, infer
 from tests.test_server import histogram
 
 CONFIG = """
@@ -160,3 +162,20 @@ def test_group_by_is_checked_when_the_configuration_loads(group_by: str, message
 """
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse(yaml.safe_load(text))
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_the_python_client_sends_the_group_values_with_every_chunk(
+    server: Server, front: str
+) -> None:
+    x = np.random.default_rng(8).standard_normal((50, 3)).astype(np.float32)  # 4 chunks of 16
+    got = infer(front, server.url, "scaled", x=x, parameters={"factor": 3.0, "shift": -2})
+    np.testing.assert_allclose(got["y"], x * 3.0 - 2, rtol=1e-6, atol=1e-6)
+    assert got["rows"].max() <= 16
+
+
+def test_the_python_client_refuses_a_parameter_it_cannot_send(server: Server) -> None:
+    with ModelClient(server.url, "scaled") as client, pytest.raises(
+        ValueError, match="parameter 'factor' is a list; expected a string, a number or a boolean"
+    ):
+        client.infer_batch(x=np.ones((1, 3), np.float32), parameters={"factor": [1], "shift": 0})
