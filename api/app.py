@@ -227,7 +227,7 @@ class Service:
         reserve = self.reserves[runner.name]
         sent = time.monotonic()
         budget = limit - (sent - arrived) - reserve.seconds(limit)
-        outputs = await self._call(runner.name, call.inputs, call.rows, budget)
+        outputs = await self._call(runner.name, call.inputs, call.rows, budget, call.group)
         encoded = protocol.encode_infer(runner.name, call, outputs, runner)
         reserve.observe(time.monotonic() - (sent + budget))
         return encoded
@@ -250,7 +250,9 @@ class Service:
                 return chunk if not chunks else b"".join([*chunks, chunk])
             chunks.append(chunk)
 
-    async def _call(self, runner: str, inputs: Tensors, rows: int, budget: float) -> Tensors:
+    async def _call(
+        self, runner: str, inputs: Tensors, rows: int, budget: float, group: tuple[str, ...]
+    ) -> Tensors:
         if budget <= 0:
             raise Unavailable(
                 f"the request's deadline passed before it reached {runner!r}", reason="late"
@@ -261,7 +263,7 @@ class Service:
             # is in a batch; the slack only bounds a runner process that hangs as a whole.
             limit = self.config.runners[runner].batch_timeout_s
             async with asyncio.timeout(budget + limit + self.config.timeouts.call_slack_s):
-                return await self.pools[runner].infer(inputs, rows, budget)
+                return await self.pools[runner].infer(inputs, rows, budget, group)
         except RunnerFailure as failure:
             raise _failure_error(runner, failure) from None
         except TimeoutError:

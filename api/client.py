@@ -36,6 +36,7 @@ from batchserve.api.client_codec import (
     ChunkingStrategy,
     DeadlineExceeded,
     ModelMetadata,
+    Parameters,
     Plan,
     ServerError,
     ServerUnavailable,
@@ -63,6 +64,7 @@ __all__ = [
     "FuturesModelClient",
     "ModelClient",
     "ModelMetadata",
+    "Parameters",
     "ServerError",
     "ServerUnavailable",
     "TensorInfo",
@@ -106,10 +108,10 @@ class _Options:
 
     def plan(
         self, metadata: ModelMetadata, positional: Sequence[Any], named: Mapping[str, Any],
-        sample: bool,
+        sample: bool, parameters: Parameters | None,
     ) -> Plan:
         return plan_call(metadata, positional, named, sample=sample, chunking=self.chunking,
-                         max_batch_size=self.max_batch_size)
+                         max_batch_size=self.max_batch_size, parameters=parameters)
 
 
 _Build = Callable[[float], tuple[bytes, dict[str, str]]]
@@ -181,26 +183,28 @@ class ModelClient:
             return self._metadata
 
     def infer_batch(
-        self, *inputs: np.ndarray, timeout_s: float | None = None, **named: np.ndarray
+        self, *inputs: np.ndarray, timeout_s: float | None = None,
+        parameters: Parameters | None = None, **named: np.ndarray
     ) -> Tensors:
         """Outputs by name for a batch of rows, given by position (in the model's input
         order) or by name; `timeout_s` overrides the client's deadline for this call."""
-        return self._infer(inputs, named, timeout_s, sample=False)
+        return self._infer(inputs, named, timeout_s, parameters, sample=False)
 
     def infer_sample(
-        self, *inputs: np.ndarray, timeout_s: float | None = None, **named: np.ndarray
+        self, *inputs: np.ndarray, timeout_s: float | None = None,
+        parameters: Parameters | None = None, **named: np.ndarray
     ) -> Tensors:
         """As `infer_batch` for one row given without its batch dimension."""
-        return self._infer(inputs, named, timeout_s, sample=True)
+        return self._infer(inputs, named, timeout_s, parameters, sample=True)
 
     def _infer(
         self, positional: Sequence[Any], named: Mapping[str, Any], timeout_s: float | None,
-        sample: bool,
+        parameters: Parameters | None, sample: bool,
     ) -> Tensors:
         deadline = self._options.deadline(timeout_s)
-        plan = self._options.plan(self.metadata(), positional, named, sample)
+        plan = self._options.plan(self.metadata(), positional, named, sample, parameters)
         if len(plan.chunks) == 1:  # no thread hop for the common case
-            return plan.finish([self._send(plan.chunks[0], deadline)])
+            return plan.finish([self._send(plan.chunks[0], deadline, plan.parameters)])
         answer: Future[Tensors] = Future()
         answer.set_running_or_notify_cancel()
         self._fan_out(plan, deadline, answer)
@@ -215,15 +219,16 @@ class ModelClient:
     def _fan_out(self, plan: Plan, deadline: float, answer: Future[Tensors]) -> None:
         """Send every chunk on the pool; `answer` gets the joined outputs or the first error."""
         pool = self._pool()
-        parts = [pool.submit(self._send, chunk, deadline) for chunk in plan.chunks]
+        parts = [pool.submit(self._send, chunk, deadline, plan.parameters)
+                 for chunk in plan.chunks]
         _gather(parts, plan.finish, answer)
 
-    def _send(self, inputs: Tensors, deadline: float) -> Tensors:
+    def _send(self, inputs: Tensors, deadline: float, parameters: Parameters) -> Tensors:
         metadata = self.metadata()
         binary = self._options.binary
 
         def build(remaining: float) -> tuple[bytes, dict[str, str]]:
-            return encode_request(inputs, metadata, binary, remaining)
+            return encode_request(inputs, metadata, binary, remaining, parameters)
 
         answer = self._exchange(deadline, build)
         return decode_response(answer.headers, answer.content)
@@ -313,19 +318,21 @@ class FuturesModelClient:
         return self._client._pool().submit(self._client.metadata)
 
     def infer_batch(
-        self, *inputs: np.ndarray, timeout_s: float | None = None, **named: np.ndarray
+        self, *inputs: np.ndarray, timeout_s: float | None = None,
+        parameters: Parameters | None = None, **named: np.ndarray
     ) -> Future[Tensors]:
         """See `ModelClient.infer_batch`; the deadline runs from this call."""
-        return self._submit(inputs, named, timeout_s, sample=False)
+        return self._submit(inputs, named, timeout_s, parameters, sample=False)
 
     def infer_sample(
-        self, *inputs: np.ndarray, timeout_s: float | None = None, **named: np.ndarray
+        self, *inputs: np.ndarray, timeout_s: float | None = None,
+        parameters: Parameters | None = None, **named: np.ndarray
     ) -> Future[Tensors]:
-        return self._submit(inputs, named, timeout_s, sample=True)
+        return self._submit(inputs, named, timeout_s, parameters, sample=True)
 
     def _submit(
         self, positional: Sequence[Any], named: Mapping[str, Any], timeout_s: float | None,
-        sample: bool,
+        parameters: Parameters | None, sample: bool,
     ) -> Future[Tensors]:
         client = self._client
         deadline = client._options.deadline(timeout_s)
@@ -336,7 +343,8 @@ class FuturesModelClient:
             # Plans and hands the chunks to the pool without waiting for them, so a pool full
             # of started calls can never wait on itself.
             try:
-                plan = client._options.plan(client.metadata(), positional, named, sample)
+                plan = client._options.plan(client.metadata(), positional, named, sample,
+                                            parameters)
                 client._fan_out(plan, deadline, answer)
             except Exception as exc:
                 answer.set_exception(exc)
@@ -382,29 +390,32 @@ class AsyncModelClient:
         return self._metadata
 
     async def infer_batch(
-        self, *inputs: np.ndarray, timeout_s: float | None = None, **named: np.ndarray
+        self, *inputs: np.ndarray, timeout_s: float | None = None,
+        parameters: Parameters | None = None, **named: np.ndarray
     ) -> Tensors:
         """See `ModelClient.infer_batch`."""
-        return await self._infer(inputs, named, timeout_s, sample=False)
+        return await self._infer(inputs, named, timeout_s, parameters, sample=False)
 
     async def infer_sample(
-        self, *inputs: np.ndarray, timeout_s: float | None = None, **named: np.ndarray
+        self, *inputs: np.ndarray, timeout_s: float | None = None,
+        parameters: Parameters | None = None, **named: np.ndarray
     ) -> Tensors:
-        return await self._infer(inputs, named, timeout_s, sample=True)
+        return await self._infer(inputs, named, timeout_s, parameters, sample=True)
 
     async def _infer(
         self, positional: Sequence[Any], named: Mapping[str, Any], timeout_s: float | None,
-        sample: bool,
+        parameters: Parameters | None, sample: bool,
     ) -> Tensors:
         deadline = self._options.deadline(timeout_s)
-        plan = self._options.plan(await self.metadata(), positional, named, sample)
+        plan = self._options.plan(await self.metadata(), positional, named, sample,
+                                  parameters)
         if len(plan.chunks) == 1:
-            return plan.finish([await self._send(plan.chunks[0], deadline)])
+            return plan.finish([await self._send(plan.chunks[0], deadline, plan.parameters)])
         slots = asyncio.Semaphore(self._options.max_workers)
 
         async def send(chunk: Tensors) -> Tensors:
             async with slots:
-                return await self._send(chunk, deadline)
+                return await self._send(chunk, deadline, plan.parameters)
 
         tasks = [asyncio.create_task(send(chunk)) for chunk in plan.chunks]
         try:
@@ -416,12 +427,14 @@ class AsyncModelClient:
             raise
         return plan.finish(answers)
 
-    async def _send(self, inputs: Tensors, deadline: float) -> Tensors:
+    async def _send(
+        self, inputs: Tensors, deadline: float, parameters: Parameters
+    ) -> Tensors:
         metadata = await self.metadata()
         binary = self._options.binary
 
         def build(remaining: float) -> tuple[bytes, dict[str, str]]:
-            return encode_request(inputs, metadata, binary, remaining)
+            return encode_request(inputs, metadata, binary, remaining, parameters)
 
         answer = await self._exchange(deadline, build)
         return decode_response(answer.headers, answer.content)

@@ -40,6 +40,7 @@ __all__ = [
     "ChunkingStrategy",
     "DeadlineExceeded",
     "ModelMetadata",
+    "Parameters",
     "ServerError",
     "ServerUnavailable",
     "TensorInfo",
@@ -57,6 +58,9 @@ __all__ = [
 
 HEADER_LENGTH: Final = "Inference-Header-Content-Length"
 _LENGTH: Final = struct.Struct("<I")  # a BYTES element's length in binary data
+
+Parameters = Mapping[str, str | int | float | bool]
+"""A request's own parameters (a model's `group_by` values, say), sent with every chunk."""
 
 ChunkingStrategy = Callable[[Mapping[str, np.ndarray], int], Iterable[Mapping[str, np.ndarray]]]
 """Takes the named inputs and the server's max batch size; yields chunks of named inputs whose
@@ -246,11 +250,13 @@ class Plan:
 
     chunks: tuple[Tensors, ...]
     finish: Callable[[Sequence[Tensors]], Tensors]
+    parameters: Parameters
 
 
 def plan_call(
     metadata: ModelMetadata, positional: Sequence[Any], named: Mapping[str, Any], *,
     sample: bool, chunking: ChunkingStrategy | None, max_batch_size: int | None,
+    parameters: Parameters | None = None,
 ) -> Plan:
     """Check the inputs and cut them into chunks when they have more rows than the limit
     (`max_batch_size`, else the metadata's); `sample` adds and removes a batch dimension."""
@@ -283,7 +289,18 @@ def plan_call(
         index = (slice(None),) * axis + (0,)
         return {name: array[index] for name, array in joined.items()}
 
-    return Plan(chunks, finish)
+    return Plan(chunks, finish, _parameters(parameters))
+
+
+def _parameters(parameters: Parameters | None) -> Parameters:
+    given = dict(parameters or {})
+    for name, value in given.items():
+        if not isinstance(value, str | int | float):
+            raise ValueError(f"parameter {name!r} is a {type(value).__name__}; expected a "
+                             "string, a number or a boolean")
+    if "timeout" in given:
+        raise ValueError("parameter 'timeout' is the client's own: give timeout_s instead")
+    return given
 
 
 def _add_batch_dim(value: Any, metadata: ModelMetadata, name: str) -> Any:
@@ -297,7 +314,8 @@ def _add_batch_dim(value: Any, metadata: ModelMetadata, name: str) -> Any:
 
 
 def encode_request(
-    inputs: Mapping[str, np.ndarray], metadata: ModelMetadata, binary: bool, timeout_s: float
+    inputs: Mapping[str, np.ndarray], metadata: ModelMetadata, binary: bool, timeout_s: float,
+    parameters: Parameters | None = None,
 ) -> tuple[bytes, dict[str, str]]:
     """A v2 infer body and its headers; the deadline left travels as `parameters.timeout`."""
     specs = {spec.name: spec for spec in metadata.inputs}
@@ -319,7 +337,7 @@ def encode_request(
         "outputs": [{"name": spec.name, "parameters": {"binary_data": binary}}
                     for spec in metadata.outputs],
         # microseconds, at least one: 0 would mean no deadline at all
-        "parameters": {"timeout": max(1, int(timeout_s * 1e6))},
+        "parameters": {**(parameters or {}), "timeout": max(1, int(timeout_s * 1e6))},
     }
     header = orjson.dumps(document)
     if not binary:

@@ -389,14 +389,16 @@ class Pool:
     def _connected(self, besides: Link | None = None) -> list[Link]:
         return [link for link in self.links if link.connected and link is not besides]
 
-    async def infer(self, tensors: Tensors, rows: int, budget_s: float) -> Tensors:
+    async def infer(
+        self, tensors: Tensors, rows: int, budget_s: float, group: tuple[str, ...] = ()
+    ) -> Tensors:
         """Call a process with `tensors` of `rows` rows, checked against the signature; if it
         goes away before running the call, once more on another while the budget lasts (a
         call that had started is never run twice)."""
         link = self.pick()
         sent = time.monotonic()
         try:
-            message = await link.call(lambda ident: Call(ident, budget_s, rows, tensors))
+            message = await link.call(lambda ident: Call(ident, budget_s, rows, tensors, group))
         except NotStarted:
             left = budget_s - (time.monotonic() - sent)
             if left <= 0 or not self._connected(besides=link):
@@ -404,7 +406,7 @@ class Pool:
             log.info("runner %s: a call not started on %s goes to another process",
                      self.runner, link.address)
             message = await self.pick(besides=link).call(
-                lambda ident: Call(ident, left, rows, tensors))
+                lambda ident: Call(ident, left, rows, tensors, group))
         if isinstance(message, Result):
             return message.tensors
         if isinstance(message, Failure):

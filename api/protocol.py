@@ -77,13 +77,15 @@ class RequestedOutput:
 @dataclass(frozen=True, slots=True)
 class InferRequest:
     """A decoded, validated inference request; `inputs` follow the signature's order and
-    share `rows` along the input batch dimension."""
+    share `rows` along the input batch dimension (1 for ragged or pad inputs: one sequence)."""
 
     id: str | None
     inputs: dict[str, np.ndarray]
     outputs: tuple[RequestedOutput, ...]
     timeout_s: float | None
     rows: int
+    group: tuple[str, ...] = ()
+    """The values of the runner's `group_by` parameters, as JSON texts."""
 
 
 # --- the runner's signature, prepared once per RunnerConfig -----------------------------------
@@ -114,11 +116,7 @@ class _Signature:
             "inputs": [describe(spec) for spec in runner.inputs],
             "outputs": [describe(spec) for spec in runner.outputs],
             # v2 leaves model parameters open; a client needs these to split a large batch.
-            "parameters": {
-                "max_batch_size": runner.batching.max_batch_size,
-                "input_batch_dim": runner.batch_dim[0],
-                "output_batch_dim": runner.batch_dim[1],
-            },
+            "parameters": _parameters(runner),
         }
         return cls(
             inputs=Signature(runner),
@@ -134,6 +132,24 @@ class _Signature:
             },
             metadata=orjson.dumps(document),
         )
+
+
+def _parameters(runner: RunnerConfig) -> dict[str, Any]:
+    """The batch limits; for ragged or pad inputs, whose request is one sequence that is
+    never split, the cap in elements instead of `max_batch_size`, so a client does not cut."""
+    if runner.layout == "rows":
+        return {
+            "max_batch_size": runner.batching.max_batch_size,
+            "input_batch_dim": runner.batch_dim[0],
+            "output_batch_dim": runner.batch_dim[1],
+        }
+    return {
+        "variable_length": runner.layout,
+        "max_batch_elements": runner.max_cost,
+        "max_batch_requests": runner.batching.max_batch_size,
+        "input_batch_dim": runner.batch_dim[0],
+        "output_batch_dim": runner.batch_dim[1],
+    }
 
 
 # Keyed by id() and checked by identity: hashing a RunnerConfig costs more than decoding a row.
@@ -336,7 +352,26 @@ def _decode_infer(
         outputs=_decode_outputs(document.get("outputs"), binary_default, signature, runner),
         timeout_s=_timeout(params),
         rows=signature.inputs.rows(inputs),
+        group=_group(params, runner),
     )
+
+
+def _group(params: Mapping[str, Any], runner: RunnerConfig) -> tuple[str, ...]:
+    """The request's values of the runner's `group_by` parameters: only requests whose values
+    are all equal share a batch."""
+    values = []
+    for name in runner.group_by:
+        if name not in params:
+            raise BadRequest(
+                f"runner {runner.name!r} batches requests by parameters "
+                f"{', '.join(runner.group_by)}; the request's parameters lack {name!r}"
+            )
+        value = params[name]
+        if not isinstance(value, str | int | float) or value != value:
+            raise BadRequest(f"parameters.{name} has value {show(value)}; expected a string, "
+                             "a number or a boolean")
+        values.append(orjson.dumps(value).decode())
+    return tuple(values)
 
 
 # --- encoding a response ------------------------------------------------------------------------

@@ -185,7 +185,8 @@ def from_json(spec: TensorSpec, shape: tuple[int, ...], data: Any) -> np.ndarray
             f"lists nested as its shape {shape_text(shape)}"
         ) from None
     _check_layout(spec, shape, raw)
-    if raw.dtype.kind == "O" or (raw.dtype.kind == "f" and spec.dtype.kind in "iu"):
+    # An empty list parses as float64: nothing to check, `_convert` casts it.
+    if raw.size and (raw.dtype.kind == "O" or (raw.dtype.kind == "f" and spec.dtype.kind in "iu")):
         raw = _big_integers(spec, data)
     return _convert(spec, raw).reshape(shape)
 

@@ -93,13 +93,22 @@ class AdaptivePolicy:
         max_batch_size: int,
         max_latency_s: float,
         tuning: Tuning = Tuning(),
+        *,
+        max_requests: int | None = None,
     ) -> None:
+        """`max_batch_size` caps a batch in the units requests are sized in (`Request.rows`:
+        rows, or elements for ragged inputs); `max_requests`, if given, also caps how many
+        requests one batch holds (a runner's `max_batch_size` when it counts elements)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size has value {max_batch_size}; it must be at least 1")
         if max_latency_s <= 0:
             raise ValueError(f"max_latency_s has value {max_latency_s}; it must be positive")
+        if max_requests is not None and max_requests < 1:
+            raise ValueError(f"max_requests has value {max_requests}; it must be at least 1")
         self.max_batch_size = max_batch_size
         self.max_latency_s = max_latency_s
+        self.max_requests = max_requests
+        self._request_bound = math.inf if max_requests is None else max_requests
         self.tuning = tuning
         self.model = LatencyModel(
             window=tuning.sample_window,
@@ -114,6 +123,7 @@ class AdaptivePolicy:
         self.refused = 0
         self._queue: deque[Request] = deque()
         self._queued_rows = 0
+        self._group_rows: dict[tuple[str, ...], int] = {}  # queued rows by group
         self._held_cap = 0
         self._next_rows = 0  # rows promised to the next batch, past the cap
         self._running: Batch | None = None
@@ -146,6 +156,8 @@ class AdaptivePolicy:
             return False
         self._queue.append(request)
         self._queued_rows += request.rows
+        group = request.group
+        self._group_rows[group] = self._group_rows.get(group, 0) + request.rows
         self._admitted_rate.add(now, request.rows)
         self._admitted_now.add(now, request.rows)
         if self.cap > self._held_cap:
@@ -249,23 +261,26 @@ class AdaptivePolicy:
         if self._running is None and not self._queue:
             self._probe = request.id
             return now + self._fit.cost(request.rows) <= request.deadline
-        if self.promised_finish(request.rows, now) <= request.deadline:
+        if self.promised_finish(request.rows, now, request.group) <= request.deadline:
             return True
         return self._stretch_next(request, now)
 
-    def promised_finish(self, rows: int, now: float) -> float:
-        """Predicted (high-quantile) completion of `rows` joining the back of the queue now.
+    def promised_finish(self, rows: int, now: float, group: tuple[str, ...] = ()) -> float:
+        """Predicted (high-quantile) completion of `rows` of `group` joining the back of the
+        queue now.
 
-        O(1): the queue ahead is served in batches of the current cap (the next one may have
-        been promised more rows, see `_stretch_next`), and the request's own batch also takes
-        the rows that will arrive before it starts (FIFO: they join it).
+        O(1) in the queue's length: the queue ahead is served in batches of the current cap
+        (the next one may have been promised more rows, see `_stretch_next`), and the
+        request's own batch also takes the rows that will arrive before it starts (FIFO: they
+        join it). Other groups' queued rows all count as ahead, in batches of their own.
         """
         intercept_s, slope_s = self._mean_intercept_s, self._mean_slope_s
         start, running_s = self._next_start(now)
         sums = _Sums(running_s)
         cap = self.cap
-        first = max(cap, self._next_rows)
-        total = self._queued_rows + rows
+        own = self._group_rows.get(group, 0)
+        first = max(cap, self._next_rows) if own == self._queued_rows else cap
+        total = own + rows
         if total <= first:
             ahead, rest, room, batches = 0.0, total, first, 1
         else:
@@ -278,6 +293,9 @@ class AdaptivePolicy:
             sums.add(first_s)
             sums.add(batch_s, full)
             room, batches = cap, 2 + full
+        if own != self._queued_rows:
+            others_s, others = self._other_groups(group, sums)
+            ahead, batches = ahead + others_s, batches + others
         gaps = self._gaps
         # One gap before every batch still to start, the worst of them at its high quantile.
         ahead += batches * gaps.mean_s + (gaps.high_s - gaps.mean_s)
@@ -286,6 +304,21 @@ class AdaptivePolicy:
         own_s = intercept_s + slope_s * min(room, rest + joining)
         sums.add(own_s)
         return start + ahead + own_s + self._reserve(sums)
+
+    def _other_groups(self, group: tuple[str, ...], sums: _Sums) -> tuple[float, int]:
+        """The mean time and count of the batches other groups' queued rows make (each
+        group's in batches of the cap), added to `sums`."""
+        intercept_s, slope_s, cap = self._mean_intercept_s, self._mean_slope_s, self.cap
+        seconds, count = 0.0, 0
+        for key, key_rows in self._group_rows.items():
+            if key == group or key_rows <= 0:
+                continue
+            batches = -(-key_rows // cap)
+            batch_s = intercept_s + slope_s * key_rows / batches
+            sums.add(batch_s, batches)
+            seconds += batches * batch_s
+            count += batches
+        return seconds, count
 
     def _reserve(self, sums: _Sums) -> float:
         """The high-quantile reserve over batches with these means.
@@ -326,6 +359,10 @@ class AdaptivePolicy:
         rows = self._queued_rows + request.rows
         if rows <= max(self.cap, self._next_rows) or rows > self.max_batch_size:
             return False
+        if self._group_rows.get(request.group, 0) != self._queued_rows:
+            return False  # the next batch is another group's, or this one's is not next
+        if len(self._queue) + 1 > self._request_bound:
+            return False
         start, running_s = self._next_start(now)
         batch_s = self._mean_intercept_s + self._mean_slope_s * rows
         sums = _Sums(running_s)
@@ -354,6 +391,11 @@ class AdaptivePolicy:
             self._high_intercept_s, self._high_slope_s, rows_rate, self.max_latency_s,
             self.max_batch_size,
         )
+        if self.max_requests is not None and request_rate > 0:
+            # Batches end at max_requests when requests are small: what a full one holds
+            # then, at the mean size lately, is the cap promises must count with.
+            full = self.max_requests * rows_rate / request_rate
+            self.cap = max(1, min(self.cap, int(full)))
         intercept = self._fit.intercept_s
         self.target_rows = rows_rate * intercept
         self.window_s = max(0.0, intercept - 1.0 / request_rate) if request_rate > 0 else 0.0
@@ -382,15 +424,16 @@ class AdaptivePolicy:
         expired = []
         while queue and queue[0].deadline <= now:
             request = queue.popleft()
-            self._queued_rows -= request.rows
+            self._unqueue(request)
             expired.append(request)
         return tuple(expired)
 
     def _decide(self, now: float) -> tuple[Reason | None, float | None]:
         """Release now (with why), or the time by which to look again."""
         rows = self._queued_rows
-        if rows >= self.cap:
-            return ("full" if self.cap >= self.max_batch_size else "cap"), None
+        if rows >= self.cap or len(self._queue) >= self._request_bound:
+            full = self.cap >= self.max_batch_size or len(self._queue) >= self._request_bound
+            return ("full" if full else "cap"), None
         if rows >= self.target_rows or self.window_s <= 0.0:
             return "idle", None
         window_end = self._queue[0].arrival + self.window_s
@@ -415,14 +458,19 @@ class AdaptivePolicy:
         intercept, slope = self._fit.intercept_s, self._fit.slope_s
         taken: list[Request] = []
         dropped: list[Request] = []
+        passed: list[Request] = []  # other groups', kept in their places
+        group = queue[0].group
         rows = 0
         wait = self._queue_wait_s
         while queue:
             request = queue[0]
-            if taken and rows + request.rows > limit:
+            if request.group != group:
+                passed.append(queue.popleft())
+                continue
+            if taken and (rows + request.rows > limit or len(taken) >= self._request_bound):
                 break
             queue.popleft()
-            self._queued_rows -= request.rows
+            self._unqueue(request)
             late = request.deadline < now + intercept + slope * (rows + request.rows)
             if late and request.id != self._probe:
                 dropped.append(request)
@@ -430,6 +478,7 @@ class AdaptivePolicy:
             taken.append(request)
             rows += request.rows
             wait += WAIT_MEMORY * (now - request.arrival - wait)
+        queue.extendleft(reversed(passed))
         self._queue_wait_s = wait
         if self._queued_rows <= self.cap:
             self._held_cap = self.cap
@@ -440,6 +489,14 @@ class AdaptivePolicy:
         self._running_mean_s = intercept + slope * rows
         self._done_mean = now + self._running_mean_s
         return batch, tuple(dropped)
+
+    def _unqueue(self, request: Request) -> None:
+        self._queued_rows -= request.rows
+        left = self._group_rows[request.group] - request.rows
+        if left:
+            self._group_rows[request.group] = left
+        else:
+            del self._group_rows[request.group]
 
 
 class _Sums:

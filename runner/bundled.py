@@ -99,3 +99,21 @@ def text_features(text: np.ndarray, separator: PerRequest) -> dict[str, np.ndarr
         features[row] = (len(decoded), len(raw), len(words), bucket)
         normalized[row] = joined
     return {"features": features, "normalized": normalized}
+
+
+CASES = ("upper", "lower", "title")
+
+
+def recase(text: np.ndarray, *, case: str) -> np.ndarray:
+    """UTF-8 strings (BYTES rows) in one letter case: `upper`, `lower` or `title`.
+
+    `case` is a request parameter, not an input, and one call takes one value of it, as a
+    translation model takes one source and target language: the runner's `group_by: [case]`
+    batches only requests that ask for the same case. An unknown case fails its batch.
+    """
+    if case not in CASES:
+        raise ValueError(f"case {case!r} is not one of {', '.join(CASES)}")
+    out = np.empty(len(text), object)
+    for row, raw in enumerate(text):
+        out[row] = getattr(raw.decode(errors="replace"), case)().encode()
+    return out

@@ -40,8 +40,38 @@ class TensorSpec:
     datatype: str
     shape: tuple[int, ...]
     finite: bool = False  # the model cannot take NaN or infinity: refuse them with a 400
+    layout: Layout = "rows"  # how requests of different lengths join (see `Layout`)
+    pad_value: float = 0.0  # what fills a padded input past a request's own length
     # False: requests are not joined on this input; the model gets one item per request.
     batchable: bool = True
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return DATATYPES[self.datatype]
+
+
+Layout = Literal["rows", "ragged", "pad"]
+"""How an input's requests join into a batch: stacked as rows along the batch dimension
+(`rows`), or, for a flat input of one sequence a request, concatenated into one flat tensor
+(`ragged`) or padded to the longest in the batch as rows (`pad`); see `batchserve.runner.ragged`."""
+
+BatchInputKind = Literal[
+    "element_count", "accumulated_element_count", "accumulated_element_count_with_zero"
+]
+BATCH_INPUT_KINDS: tuple[BatchInputKind, ...] = (
+    "element_count", "accumulated_element_count", "accumulated_element_count_with_zero"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchInput:
+    """A tensor the runner generates for each batch and passes to the model as an input named
+    `name`: per request, the element count of input `source` (or their running sum)."""
+
+    kind: BatchInputKind
+    name: str
+    source: str
+    datatype: str = "INT64"
 
     @property
     def dtype(self) -> np.dtype[Any]:
@@ -53,6 +83,7 @@ class Batching:
     enabled: bool = True
     max_batch_size: int = 64
     max_latency_ms: float = 100.0
+    max_batch_elements: int | None = None  # the cap in elements, for ragged or pad inputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +97,29 @@ class RunnerConfig:
     batch_dim: tuple[int, int] = (0, 0)
     threads: int = 1
     batch_timeout_ms: float | None = None
+    batch_inputs: tuple[BatchInput, ...] = ()
+    group_by: tuple[str, ...] = ()
+    """Request parameters that must be equal within a batch (a translation model takes one
+    source and target language a call); the model gets their values as keyword arguments."""
+    group_timing: tuple[tuple[str, Any], ...] = ()
+    """The `group_by` values the model is timed with at start-up, where the configuration
+    gives them (`group_by` as a mapping); the model's own defaults otherwise."""
     addresses: tuple[Address, ...] = ()
     """Where this runner's processes listen when they run apart (`batchserve runner`); empty
     when `batchserve serve` starts them itself."""
     choice: Choice = "random"
+
+    @property
+    def layout(self) -> Layout:
+        """`ragged` or `pad` when the runner's inputs are of variable length, else `rows`."""
+        return self.inputs[0].layout
+
+    @property
+    def max_cost(self) -> int:
+        """The batch cap in the units a batch's cost is counted in: elements for ragged or
+        pad inputs (`max_batch_elements`), rows otherwise (`max_batch_size`)."""
+        elements = self.batching.max_batch_elements
+        return self.batching.max_batch_size if elements is None else elements
 
     @property
     def unbatched(self) -> frozenset[str]:
@@ -173,6 +223,7 @@ def _str(key: str, value: Any) -> str:
 
 
 def _tensor(key: str, value: Any, keys: set[str]) -> TensorSpec:
+    """One tensor, with only the keys in `keys` (inputs have a few more than outputs)."""
     raw = _mapping(key, value, keys)
     for required in ("name", "datatype", "shape"):
         if required not in raw:
@@ -189,12 +240,46 @@ def _tensor(key: str, value: Any, keys: set[str]) -> TensorSpec:
     finite = _bool(f"{key}.finite", raw.get("finite", False))
     if finite and DATATYPES[datatype].kind != "f":
         raise _fail(f"{key}.finite", finite, f"false for {datatype}, which cannot hold NaN")
+    layout, pad_value = _layout(key, raw, datatype)
     batchable = _bool(f"{key}.batchable", raw.get("batchable", True))
-    return TensorSpec(_str(f"{key}.name", raw["name"]), datatype, tuple(shape), finite, batchable)
+    if not batchable and layout != "rows":
+        raise ConfigError(
+            f"{key} has batchable: false and {layout}; an input of variable length is joined "
+            "across requests, so it cannot also be given to the model per request"
+        )
+    return TensorSpec(
+        _str(f"{key}.name", raw["name"]), datatype, tuple(shape), finite,
+        layout=layout, pad_value=pad_value, batchable=batchable,
+    )
+
+
+def _layout(key: str, raw: Mapping[str, Any], datatype: str) -> tuple[Layout, float]:
+    """An input's `ragged: true` or `pad: {value: V}`, and the value padding fills with."""
+    ragged = _bool(f"{key}.ragged", raw.get("ragged", False))
+    pad = raw.get("pad")
+    if ragged and pad is not None:
+        raise ConfigError(f"{key} has both ragged and pad; an input may have one or the other")
+    if not ragged and pad is None:
+        return "rows", 0.0
+    layout: Layout = "ragged" if ragged else "pad"
+    if DATATYPES[datatype].kind == "O":
+        raise _fail(f"{key}.datatype", datatype, f"a datatype other than BYTES for a {layout} "
+                    "input (one sequence of numbers a request)")
+    if raw["shape"] != [-1]:
+        raise _fail(f"{key}.shape", raw["shape"], f"[-1] for a {layout} input: one flat "
+                    "sequence a request, its length the dimension that varies")
+    if ragged:
+        return "ragged", 0.0
+    value = _mapping(f"{key}.pad", pad, {"value"}).get("value", 0)
+    dtype = DATATYPES[datatype]
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or np.asarray(value).astype(dtype) != value:
+        raise _fail(f"{key}.pad.value", value, f"a finite number that {datatype} can hold")
+    return "pad", float(value)
 
 
 TENSOR_KEYS = {"name", "datatype", "shape", "finite"}
-INPUT_KEYS = TENSOR_KEYS | {"batchable"}
+INPUT_KEYS = TENSOR_KEYS | {"batchable", "ragged", "pad"}
 
 
 def _tensors(key: str, value: Any, keys: set[str] = TENSOR_KEYS) -> tuple[TensorSpec, ...]:
@@ -219,8 +304,11 @@ def _inputs(key: str, value: Any) -> tuple[TensorSpec, ...]:
 
 
 def _batching(key: str, value: Any) -> Batching:
-    raw = _mapping(key, value, {"enabled", "max_batch_size", "max_latency_ms"})
+    raw = _mapping(
+        key, value, {"enabled", "max_batch_size", "max_latency_ms", "max_batch_elements"}
+    )
     default = Batching()
+    elements = raw.get("max_batch_elements")
     return Batching(
         enabled=_bool(f"{key}.enabled", raw.get("enabled", default.enabled)),
         max_batch_size=_int(
@@ -228,6 +316,9 @@ def _batching(key: str, value: Any) -> Batching:
         ),
         max_latency_ms=_positive(
             f"{key}.max_latency_ms", raw.get("max_latency_ms", default.max_latency_ms)
+        ),
+        max_batch_elements=(
+            None if elements is None else _int(f"{key}.max_batch_elements", elements, 1)
         ),
     )
 
@@ -254,8 +345,89 @@ def _batch_dim(key: str, value: Any, runner: RunnerConfig) -> tuple[int, int]:
 
 RUNNER_KEYS = {
     "model", "workers", "batching", "inputs", "outputs", "batch_dim", "threads",
-    "batch_timeout_ms", "addresses", "choice",
+    "batch_timeout_ms", "batch_inputs", "addresses", "group_by", "choice",
 }
+
+
+def _variable_length(key: str, runner: RunnerConfig) -> None:
+    """Ragged and pad inputs: one layout for every input, and a cap stated in elements."""
+    varying = next((spec for spec in runner.inputs if spec.layout != "rows"), None)
+    for i, spec in enumerate(runner.inputs):
+        if varying is not None and not spec.batchable:
+            raise ConfigError(
+                f"{key}.inputs[{i}] ({spec.name!r}) has batchable: false; since input "
+                f"{varying.name!r} is {varying.layout}, every input is joined across requests "
+                "and none may be batchable: false"
+            )
+        if varying is not None and spec.layout != varying.layout:
+            raise ConfigError(
+                f"{key}.inputs[{i}] ({spec.name!r}) is {_layout_text(spec.layout)}; since "
+                f"input {varying.name!r} is {varying.layout}, every input must be "
+                f"{varying.layout}"
+            )
+    elements = runner.batching.max_batch_elements
+    if varying is not None and elements is None:
+        raise ConfigError(
+            f"{key}.batching.max_batch_elements is missing; a runner with {varying.layout} "
+            "inputs needs it: the most elements one batch may hold"
+        )
+    if varying is None and elements is not None:
+        raise ConfigError(
+            f"{key}.batching.max_batch_elements has value {elements!r}; it applies only to a "
+            "runner whose inputs are ragged or pad (this one batches rows: use max_batch_size)"
+        )
+
+
+def _layout_text(layout: Layout) -> str:
+    return "neither ragged nor pad" if layout == "rows" else layout
+
+
+def _batch_input(key: str, value: Any, runner: RunnerConfig) -> BatchInput:
+    raw = _mapping(key, value, {"kind", "name", "source", "datatype"})
+    for required in ("kind", "name", "source"):
+        if required not in raw:
+            raise ConfigError(f"{key}.{required} is missing")
+    kind = raw["kind"]
+    if kind not in BATCH_INPUT_KINDS:
+        raise _fail(f"{key}.kind", kind, "one of " + ", ".join(BATCH_INPUT_KINDS))
+    source = _str(f"{key}.source", raw["source"])
+    inputs = [spec.name for spec in runner.inputs]
+    if source not in inputs:
+        raise _fail(f"{key}.source", source, "the name of an input: " + ", ".join(inputs))
+    datatype = raw.get("datatype", "INT64")
+    if datatype not in DATATYPES or DATATYPES[datatype].kind not in "iuf":
+        numeric = [name for name, dtype in DATATYPES.items() if dtype.kind in "iuf"]
+        raise _fail(f"{key}.datatype", datatype, "one of " + ", ".join(numeric))
+    return BatchInput(kind, _str(f"{key}.name", raw["name"]), source, datatype)
+
+
+def _batch_inputs(key: str, value: Any, runner: RunnerConfig) -> tuple[BatchInput, ...]:
+    """The generated inputs: named apart from the inputs, and one at least for each input
+    of variable length, without which the model could not tell its requests apart."""
+    if runner.layout == "rows":
+        if value is None:
+            return ()
+        raise ConfigError(
+            f"{key} is set, but no input is ragged or pad; batch inputs describe how "
+            "variable-length requests were joined"
+        )
+    if not isinstance(value, list) or not value:
+        raise _fail(key, value, "a non-empty list of {kind, name, source} for "
+                    f"{runner.layout} inputs")
+    made = tuple(_batch_input(f"{key}[{i}]", item, runner) for i, item in enumerate(value))
+    names = [spec.name for spec in runner.inputs] + [made_one.name for made_one in made]
+    if len(set(names)) != len(names):
+        raise _fail(key, [item.name for item in made],
+                    "names distinct from each other and from the inputs")
+    sources = {item.source for item in made}
+    for spec in runner.inputs:
+        if spec.name not in sources:
+            raise ConfigError(
+                f"{key} has no entry with source {spec.name!r}; the model of a "
+                f"{runner.layout} input needs its element counts (e.g. kind "
+                "accumulated_element_count) to find each request"
+            )
+    return made
 
 
 def _addresses(key: str, value: Any) -> tuple[Address, ...]:
@@ -303,7 +475,50 @@ def _runner(key: str, name: str, value: Any) -> RunnerConfig:
         choice=_choice(f"{key}.choice", raw.get("choice", "random")),
     )
     batch_dim = _batch_dim(f"{key}.batch_dim", raw.get("batch_dim", [0, 0]), runner)
-    return RunnerConfig(**{**_fields(runner), "batch_dim": batch_dim})
+    _variable_length(key, runner)
+    batch_inputs = _batch_inputs(f"{key}.batch_inputs", raw.get("batch_inputs"), runner)
+    taken = {spec.name for spec in runner.inputs} | {made.name for made in batch_inputs}
+    group_by, group_timing = _group_by(f"{key}.group_by", raw.get("group_by", []), taken)
+    return RunnerConfig(**{
+        **_fields(runner), "batch_dim": batch_dim, "batch_inputs": batch_inputs,
+        "group_by": group_by, "group_timing": group_timing,
+    })
+
+
+def _group_by(
+    key: str, value: Any, inputs: set[str]
+) -> tuple[tuple[str, ...], tuple[tuple[str, Any], ...]]:
+    """Parameter names, each once, none an input's (the model gets both as keywords); as a
+    mapping, each with the value the model is timed with at start-up."""
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, list):
+        pairs = [(item, None) for item in value]
+    else:
+        raise _fail(key, value, "a list of request parameter names, or a mapping from each "
+                    "to the value the model is timed with at start-up")
+    names: list[str] = []
+    for i, (item, timing) in enumerate(pairs):
+        where = f"{key}[{i}]" if isinstance(value, list) else f"{key}.{item}"
+        name = _str(where, item)
+        if not name.isidentifier():
+            raise _fail(where, name, "a Python identifier (the model takes it as a keyword)")
+        if name in names or name in inputs:
+            what = "named twice" if name in names else "also an input's name"
+            raise ConfigError(f"{where} has value {name!r}, {what}; each must be distinct")
+        if name in RESERVED_PARAMETERS:
+            raise ConfigError(f"{where} has value {name!r}, a parameter the server reads itself")
+        if isinstance(value, dict) and not isinstance(timing, str | int | float):
+            raise _fail(where, timing, "a string, a number or a boolean to time the model with")
+        names.append(name)
+    if len(names) > 255:
+        raise ConfigError(f"{key} names {len(names)} parameters; at most 255")
+    timing_pairs = tuple(pairs) if isinstance(value, dict) else ()
+    return tuple(names), timing_pairs
+
+
+RESERVED_PARAMETERS = frozenset({"timeout", "binary_data_output"})
+"""Request parameters with a meaning of their own in the v2 protocol."""
 
 
 def _fields(obj: Any) -> dict[str, Any]:

@@ -7,6 +7,10 @@ run on the one model thread (off the event loop) and split back to each request.
 more than `max_batch_size` rows are cut into pieces that batch like any other request and are
 joined again before the answer.
 
+A request's size for the policy is its cost (`Signature.cost`): its rows, or for ragged or
+pad inputs its elements, bounded by `max_batch_elements`; such a request is one sequence,
+one row of the outputs, and never cut.
+
 The gauges are republished every `RunnerMetrics.PUBLISH_S` on the event loop as well as after
 batches, so a scrape of an idle runner reads idle; a rejection is counted once per whole
 request, when its one answer goes out.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import sys
@@ -28,13 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from batchserve.runner import batching
+from batchserve.runner import batching, ragged
 from batchserve.runner.config import RunnerConfig
 from batchserve.runner.latency_model import Timing
 from batchserve.runner.metrics import RunnerMetrics
 from batchserve.runner.models import Model
 from batchserve.runner.policy import Batch, Policy, Request
-from batchserve.runner.types import BYTES, Tensors
+from batchserve.runner.signature import Signature
+from batchserve.runner.types import BYTES, ModelInputs, Tensors
 from batchserve.runner.wire import FailureCode
 
 log = logging.getLogger(__name__)
@@ -79,6 +85,7 @@ class _Job:
     whole: _Whole | None = None
     index: int = 0
     started: Started | None = None
+    rows: int = 1  # its rows in the outputs; its size for the policy may count elements
 
 
 @dataclass(slots=True)
@@ -87,6 +94,7 @@ class _Outcome:
     started: float
     finished: float
     cpu_s: float
+    rows: int
 
 
 @dataclass(slots=True)
@@ -111,8 +119,11 @@ def synthetic_inputs(runner: RunnerConfig, rows: int, seed: int = 0) -> Tensors:
 
     Floats are random, other numbers zero, BYTES rows lowercase ASCII words (valid UTF-8).
     A non-batchable input gets one empty value (zeros, or b"" for BYTES), the neutral
-    choice for a parameter: the model should read it as its default.
+    choice for a parameter: the model should read it as its default. For ragged or pad
+    inputs, `rows` counts elements: a batch of several requests, already joined.
     """
+    if runner.layout != "rows":
+        return ragged.join(runner, ragged.synthetic(runner, rows, seed))
     generator = np.random.default_rng(seed)
     dim = runner.batch_dim[0]
     tensors: Tensors = {}
@@ -160,7 +171,11 @@ class Dispatcher:
         self.clock = clock
         self.cpu_clock = cpu_clock
         self.max_latency_s = runner.batching.max_latency_ms / 1000
-        self.max_batch_size = runner.batching.max_batch_size
+        # The bound on a batch in the units its cost is counted in: rows, or elements for
+        # ragged or pad inputs (`max_batch_elements`); a request of rows over it is cut.
+        self.max_cost = runner.max_cost
+        self.unit = "rows" if runner.layout == "rows" else "elements"
+        self.signature = Signature(runner)
         self._jobs: dict[int, _Job] = {}
         self._ids = itertools.count()
         self._busy = False
@@ -200,7 +215,7 @@ class Dispatcher:
 
     def _time(self, rows: int, tensors: Tensors) -> Timing:
         started, cpu = self.clock(), self.cpu_clock()
-        self.model(batching.join([tensors], self.runner.batch_dim[0], self.runner.unbatched))
+        self.model(self._join([tensors]), dict(self.runner.group_timing))
         return Timing(rows, self.clock() - started, self.cpu_clock() - cpu)
 
     @property
@@ -241,54 +256,74 @@ class Dispatcher:
         budget_s: float,
         reply: Reply,
         started: Started | None = None,
+        group: tuple[str, ...] = (),
     ) -> None:
-        """Queue one request of `rows` rows, checked against the signature already; `reply`
-        is called exactly once, on the event loop, and `started` whenever a batch holding it
-        (or a piece of it) goes to the model."""
+        """Queue one request of `rows` rows, checked against the signature already (one row
+        for ragged or pad inputs); `reply` is called exactly once, on the event loop, and
+        `started` whenever a batch holding it (or a piece of it) goes to the model. `group`
+        holds its values of the runner's `group_by` parameters, as JSON texts."""
+        if group or self.runner.group_by:
+            problem = self._group_problem(group)
+            if problem:
+                self._reply(reply, Rejection(FailureCode.INVALID, problem))
+                return
         if not self._accepting:
             self._reply(reply, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
             return
         now = self.clock()
         deadline = now + min(budget_s, self.max_latency_s)
+        cost = self.signature.cost(tensors, rows)
+        if cost > self.max_cost and self.unit == "elements":
+            # A sequence is never cut; the signature refuses it first, so none comes here.
+            self._reply(reply, Rejection(FailureCode.INVALID, (
+                f"the request has {cost} elements; runner {self.runner.name!r} takes at "
+                f"most {self.max_cost} in a batch (its max_batch_elements)"
+            )))
+            return
         # Judged against the runner's own limit, not what is left of it: time lost on the way
         # here is a passing delay, and a request that fits an idle model may run later.
-        if self._least_time_s(rows) > self.max_latency_s:
-            self._reply(reply, self._too_large(rows))
+        if self._least_time_s(cost) > self.max_latency_s:
+            self._reply(reply, self._too_large(cost))
             return
-        if rows <= self.max_batch_size:
-            self._offer(_Job(tensors, reply, started=started), rows, now, deadline)
+        if cost <= self.max_cost:
+            job = _Job(tensors, reply, started=started, rows=rows)
+            self._offer(job, cost, now, deadline, group)
             return
         pieces = batching.chunk(
-            tensors, rows, self.runner.batch_dim[0], self.max_batch_size, self.runner.unbatched
+            tensors, rows, self.runner.batch_dim[0], self.max_cost, self.runner.unbatched
         )
         whole = _Whole(reply, [None] * len(pieces), len(pieces))
         for index, (piece, size) in enumerate(pieces):
-            self._offer(_Job(piece, reply, whole, index, started), size, now, deadline)
+            self._offer(_Job(piece, reply, whole, index, started, size), size, now, deadline, group)
 
-    def _least_time_s(self, rows: int) -> float:
-        """What `rows` need on an idle model: full batches of `max_batch_size`, then the rest."""
-        full, rest = divmod(rows, self.max_batch_size)
+    def _least_time_s(self, cost: int) -> float:
+        """What a request of `cost` (rows, or elements) needs on an idle model: full batches
+        of `max_cost`, then the rest (a sequence is never over `max_cost`: one batch)."""
+        full, rest = divmod(cost, self.max_cost)
         idle_time_s = self.policy.idle_time_s
-        return full * idle_time_s(self.max_batch_size) + (idle_time_s(rest) if rest else 0.0)
+        return full * idle_time_s(self.max_cost) + (idle_time_s(rest) if rest else 0.0)
 
-    def _too_large(self, rows: int) -> Rejection:
-        """Why a request that no wait can help is refused, with the most rows that fit."""
-        low, high = 0, rows  # the most rows that fit lies in [low, high)
+    def _too_large(self, cost: int) -> Rejection:
+        """Why a request that no wait can help is refused, with the most rows (or elements)
+        that fit."""
+        low, high = 0, cost  # the most that fits lies in [low, high)
         while high - low > 1:
             middle = (low + high) // 2
             fits = self._least_time_s(middle) <= self.max_latency_s
             low, high = (middle, high) if fits else (low, middle)
-        advice = f"send at most {low} rows a request" if low else "raise max_latency_ms"
+        advice = f"send at most {low} {self.unit} a request" if low else "raise max_latency_ms"
         return Rejection(FailureCode.TOO_LARGE, (
-            f"{rows} rows need {self._least_time_s(rows) * 1000:.1f} ms on runner "
+            f"{cost} {self.unit} need {self._least_time_s(cost) * 1000:.1f} ms on runner "
             f"{self.runner.name!r} even when it is idle, by its current cost model, over its "
             f"max_latency_ms of {self.runner.batching.max_latency_ms:g}; {advice}"
         ))
 
-    def _offer(self, job: _Job, rows: int, now: float, deadline: float) -> None:
+    def _offer(
+        self, job: _Job, rows: int, now: float, deadline: float, group: tuple[str, ...]
+    ) -> None:
         ident = next(self._ids)
         self._jobs[ident] = job
-        if not self.policy.offer(Request(ident, rows, now, deadline), now):
+        if not self.policy.offer(Request(ident, rows, now, deadline, group), now):
             retry = max(self.max_latency_s, 0.001)
             self._answer(ident, Rejection(
                 FailureCode.REFUSED,
@@ -347,8 +382,9 @@ class Dispatcher:
             if job.started is not None:
                 job.started()
         parts = [job.tensors for job in jobs]
-        sizes = [request.rows for request in batch.requests]
-        future = self._model_thread.submit(self._execute, parts, sizes)
+        sizes = [job.rows for job in jobs]
+        options = self._options(batch.requests[0].group)
+        future = self._model_thread.submit(self._execute, parts, sizes, options)
         future.add_done_callback(lambda done: self._to_loop(self._completed, batch, done))
         self._watchdog = self._loop.call_later(
             self.runner.batch_timeout_s, self._overran, batch
@@ -381,25 +417,55 @@ class Dispatcher:
         with contextlib.suppress(RuntimeError):  # the loop closed after a drain
             self._loop.call_soon_threadsafe(callback, *args)
 
-    def _execute(self, parts: list[Tensors], sizes: list[int]) -> _Outcome:
+    def _group_problem(self, group: tuple[str, ...]) -> str:
+        """What is wrong with a call's group values, or nothing: one JSON value for each
+        `group_by` parameter (the API writes them so; another peer may not)."""
+        names = self.runner.group_by
+        if len(group) != len(names):
+            return (f"runner {self.runner.name!r} batches by {len(names)} parameters; the call "
+                    f"carried {len(group)} values")
+        for name, text in zip(names, group, strict=True):
+            try:
+                json.loads(text)
+            except ValueError:
+                return f"the call's value of parameter {name!r} is not JSON"
+        return ""
+
+    def _options(self, group: tuple[str, ...]) -> dict[str, Any]:
+        """The `group_by` parameters' values, as the model takes them: keywords."""
+        return {name: json.loads(text) for name, text in zip(self.runner.group_by, group,
+                                                                strict=True)}
+
+    def _execute(
+        self, parts: list[Tensors], sizes: list[int], options: dict[str, Any]
+    ) -> _Outcome:
         """On the model thread: join, run, split; errors become an outcome, never a crash."""
         started, cpu = self.clock(), self.cpu_clock()
-        pieces = self._run(parts, sizes)
-        return _Outcome(pieces, started, self.clock(), self.cpu_clock() - cpu)
+        pieces = self._run(parts, sizes, options)
+        return _Outcome(pieces, started, self.clock(), self.cpu_clock() - cpu, sum(sizes))
 
-    def _run(self, parts: list[Tensors], sizes: list[int]) -> list[Tensors | str]:
+    def _run(
+        self, parts: list[Tensors], sizes: list[int], options: dict[str, Any]
+    ) -> list[Tensors | str]:
         """Each request's outputs; a batch the model fails on is split in halves until the
         requests that make it fail stand alone, so only they fail (a poison request)."""
-        in_dim, out_dim = self.runner.batch_dim
         try:
-            outputs = self.model(batching.join(parts, in_dim, self.runner.unbatched))
-            return list(batching.split(outputs, sizes, out_dim))
+            outputs = self.model(self._join(parts), options)
+            return list(batching.split(outputs, sizes, self.runner.batch_dim[1]))
         except Exception as exc:
             if len(parts) > 1:
                 half = len(parts) // 2
-                return self._run(parts[:half], sizes[:half]) + self._run(parts[half:], sizes[half:])
+                return (self._run(parts[:half], sizes[:half], options)
+                        + self._run(parts[half:], sizes[half:], options))
             log.exception("runner %s: a request of %d rows failed", self.runner.name, sizes[0])
             return [f"{type(exc).__name__}: {exc}"]
+
+    def _join(self, parts: list[Tensors]) -> ModelInputs:
+        """The model's inputs: rows stacked (unbatched inputs one item a request), or ragged
+        and pad inputs with their batch inputs."""
+        if self.runner.layout == "rows":
+            return batching.join(parts, self.runner.batch_dim[0], self.runner.unbatched)
+        return dict(ragged.join(self.runner, parts))
 
     def _completed(self, batch: Batch, done: Future[_Outcome]) -> None:
         """Answer the batch's requests, then poll again, whatever answering raised."""
@@ -412,7 +478,9 @@ class Dispatcher:
                 return
             outcome = done.result()
             self.policy.complete(batch, outcome.started, outcome.finished, outcome.cpu_s)
-            self.metrics.batch(batch, outcome.started, outcome.finished, outcome.cpu_s)
+            self.metrics.batch(
+                batch, outcome.started, outcome.finished, outcome.cpu_s, outcome.rows
+            )
             for request, piece in zip(batch.requests, outcome.pieces, strict=True):
                 if isinstance(piece, str):
                     self._answer(request.id, Rejection(

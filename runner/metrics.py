@@ -75,9 +75,11 @@ batches = Counter(
 )
 _GAUGES = {
     "window_s": ("batchserve_dispatcher_window_seconds", "The dispatcher's current window"),
-    "cap": ("batchserve_dispatcher_batch_cap", "The dispatcher's current batch cap in rows"),
+    "cap": ("batchserve_dispatcher_batch_cap",
+            "The dispatcher's current batch cap in rows (elements for ragged or pad inputs)"),
     "intercept_s": ("batchserve_latency_model_intercept_seconds", "Fitted time per batch"),
-    "slope_s": ("batchserve_latency_model_slope_seconds", "Fitted time per row"),
+    "slope_s": ("batchserve_latency_model_slope_seconds",
+                "Fitted time per row (per element for ragged or pad inputs)"),
     "p99_batch_s": ("batchserve_predicted_batch_p99_seconds", "Predicted p99 time at the cap"),
     "stretch": ("batchserve_latency_model_stretch", "Wall time over the cost curve, lately"),
     "gap_s": ("batchserve_dispatcher_gap_seconds",
@@ -139,8 +141,12 @@ class RunnerMetrics:
         self._published = 0.0
         self._log = open_batch_log(runner)
 
-    def batch(self, batch: Batch, started: float, finished: float, cpu_s: float) -> None:
-        self._batch_size.observe(batch.rows)
+    def batch(
+        self, batch: Batch, started: float, finished: float, cpu_s: float, rows: int | None = None
+    ) -> None:
+        """One batch run; `rows` when its size for the policy counts something else (the
+        elements of ragged or pad inputs): the batch-size histogram counts rows."""
+        self._batch_size.observe(batch.rows if rows is None else rows)
         self._duration.observe(finished - started)
         self._cpu.observe(cpu_s)
         if batch.predicted_s > 0.0:

@@ -49,20 +49,25 @@ class Model:
         self.runner = runner
         self._function = function
         self._torch = torch
+        # Batch inputs (offsets, lengths) come after the inputs; together they are keywords.
         self._names = [spec.name for spec in runner.inputs]
+        self._names += [made.name for made in runner.batch_inputs]
         self._outputs = [spec for spec in runner.outputs]
 
-    def __call__(self, inputs: ModelInputs) -> Tensors:
+    def __call__(self, inputs: ModelInputs, options: Mapping[str, Any] | None = None) -> Tensors:
+        """Run the model on one batch; `options` (the batch's `group_by` values) go to it as
+        keyword arguments."""
+        options = options or {}
         if self._torch:
-            return self._call_torch(inputs)
-        return self._collect(self._invoke(inputs))
+            return self._call_torch(inputs, options)
+        return self._collect(self._invoke(inputs, options))
 
-    def _invoke(self, inputs: Mapping[str, Any]) -> Any:
+    def _invoke(self, inputs: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
         if len(self._names) == 1:
-            return self._function(inputs[self._names[0]])
-        return self._function(**inputs)
+            return self._function(inputs[self._names[0]], **options)
+        return self._function(**inputs, **options)
 
-    def _call_torch(self, inputs: ModelInputs) -> Tensors:
+    def _call_torch(self, inputs: ModelInputs, options: Mapping[str, Any]) -> Tensors:
         import torch
 
         def tensor(array: np.ndarray) -> Any:
@@ -74,7 +79,9 @@ class Model:
             return tensor(value)
 
         with torch.inference_mode():
-            result = self._invoke({name: convert(value) for name, value in inputs.items()})
+            result = self._invoke(
+                {name: convert(value) for name, value in inputs.items()}, options
+            )
             return self._collect(result)
 
     def _collect(self, result: Any) -> Tensors:

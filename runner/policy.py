@@ -42,6 +42,9 @@ class Request:
     rows: int
     arrival: float
     deadline: float
+    group: tuple[str, ...] = ()
+    """The values of the runner's `group_by` parameters: only requests of one group share a
+    batch. Empty for a runner that does not group."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,13 +125,22 @@ class Policy(Protocol):
 
 
 def take_in_order(queue: deque[Request], cap: int) -> tuple[tuple[Request, ...], int]:
-    """Pop requests in arrival order while they fit `cap` rows (always at least one)."""
+    """Pop the oldest request's group in arrival order while it fits `cap` rows (always at
+    least one); requests of other groups keep their places."""
+    group = queue[0].group
     taken: list[Request] = []
+    passed: list[Request] = []
     rows = 0
-    while queue and (not taken or rows + queue[0].rows <= cap):
-        request = queue.popleft()
-        taken.append(request)
+    while queue:
+        request = queue[0]
+        if request.group != group:
+            passed.append(queue.popleft())
+            continue
+        if taken and rows + request.rows > cap:
+            break
+        taken.append(queue.popleft())
         rows += request.rows
+    queue.extendleft(reversed(passed))
     return tuple(taken), rows
 
 

@@ -135,7 +135,8 @@ class Connection(asyncio.BufferedProtocol):
                 return
             reply = functools.partial(self._reply, message.id)
             started = functools.partial(self._started, message.id)
-            self.dispatcher.submit(message.tensors, message.rows, message.budget_s, reply, started)
+            self.dispatcher.submit(message.tensors, message.rows, message.budget_s, reply, started,
+                                   message.group)
         elif isinstance(message, Ping):
             self._send(Pong(message.id))
         else:
@@ -189,8 +190,15 @@ class Connection(asyncio.BufferedProtocol):
 def build_policy(runner: RunnerConfig) -> Policy:
     """The adaptive policy when batching is on; one request at a time when it is off."""
     batching = runner.batching
-    kind = "adaptive" if batching.enabled else "none"
-    return make_policy(kind, batching.max_batch_size, batching.max_latency_ms / 1000)
+    latency_s = batching.max_latency_ms / 1000
+    if not batching.enabled:
+        return make_policy("none", runner.max_cost, latency_s)
+    if runner.layout == "rows":
+        return make_policy("adaptive", batching.max_batch_size, latency_s)
+    # Sized in elements, capped in elements and, by max_batch_size, in requests.
+    return make_policy(
+        "adaptive", runner.max_cost, latency_s, max_requests=batching.max_batch_size
+    )
 
 
 async def serve(config: Config, runner: RunnerConfig, address: Address,

@@ -11,6 +11,11 @@ The row count of a call (its length along the input batch dimension) is counted 
 by `Signature.rows`, and travels with the call from then on. Inputs declared `batchable: false`
 have no batch dimension: they are checked like any other input but do not count rows. A BYTES
 input is a numpy object array whose every element is `bytes`.
+
+A runner whose inputs are `ragged` or `pad` takes one sequence a request: such a request is
+one row, whatever its length, and is never cut, so each input must hold 1 to
+`max_batch_elements` elements. What it costs the batching policy is counted here too, by
+`Signature.cost`: its rows, or for those runners its elements (`batchserve.runner.ragged`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from batchserve.runner.config import RunnerConfig, TensorSpec
+from batchserve.runner import ragged
+from batchserve.runner.config import Layout, RunnerConfig, TensorSpec
 from batchserve.runner.types import BYTES, DATATYPES
 
 __all__ = ["Signature", "SignatureError", "batch_rows", "fits", "shape_text", "show"]
@@ -90,16 +96,19 @@ def batch_rows(
 
 
 class Signature:
-    """The inputs a runner's model takes, by name, the dimension they are batched on, and
-    those that are not batched (`batchable: false`)."""
+    """The inputs a runner's model takes, by name, the dimension they are batched on, those
+    that are not batched (`batchable: false`), and how requests join (`layout`): as rows, or
+    as sequences of at most `max_elements` elements."""
 
-    __slots__ = ("model", "specs", "batch_dim", "unbatched")
+    __slots__ = ("model", "specs", "batch_dim", "unbatched", "layout", "max_elements")
 
     def __init__(self, runner: RunnerConfig) -> None:
         self.model = runner.name
         self.specs = {spec.name: spec for spec in runner.inputs}
         self.batch_dim = runner.batch_dim[0]
         self.unbatched = runner.unbatched
+        self.layout: Layout = runner.layout
+        self.max_elements = runner.max_cost
 
     def spec(self, name: str) -> TensorSpec:
         """The input called `name`, or the error that names the inputs there are."""
@@ -162,8 +171,31 @@ class Signature:
         )
 
     def rows(self, tensors: Mapping[str, np.ndarray]) -> int:
-        """The batch size all batchable inputs share along the batch dimension: at least 1."""
-        return batch_rows(tensors, self.batch_dim, self.unbatched)
+        """The batch size all batchable inputs share along the batch dimension: at least 1;
+        exactly 1 for ragged or pad inputs, once each is a sequence that one batch can hold."""
+        if self.layout == "rows":
+            return batch_rows(tensors, self.batch_dim, self.unbatched)
+        for name, array in tensors.items():
+            self._check_sequence(name, array.shape[0])
+        return 1
+
+    def _check_sequence(self, name: str, length: int) -> None:
+        if length == 0:
+            raise SignatureError(
+                f"input {name!r} has 0 elements; a {self.layout} input expects a sequence "
+                "of at least 1"
+            )
+        if length > self.max_elements:
+            raise SignatureError(
+                f"input {name!r} has {length} elements; model {self.model!r} takes at most "
+                f"{self.max_elements} in a batch (its max_batch_elements), and a request is "
+                "never split"
+            )
+
+    def cost(self, tensors: Mapping[str, np.ndarray], rows: int) -> int:
+        """What a checked request of `rows` rows weighs against the runner's cap: its rows,
+        or for ragged or pad inputs its elements (its longest sequence)."""
+        return rows if self.layout == "rows" else ragged.elements(tensors)
 
     def check(self, tensors: Mapping[str, np.ndarray], rows: int) -> None:
         """Every check at once, on arrays, as a runner receives them with their row count."""

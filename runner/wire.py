@@ -7,7 +7,8 @@ names a unix socket or a TCP endpoint (optionally under TLS) on another host.
 
     frame   := u32 body_length | body
     body    := u8 kind | u64 id | payload
-    Call    := f64 budget_s | u32 rows | u16 count | tensor*  (API -> runner)
+    Call    := f64 budget_s | u32 rows | u16 count | u8 groups | (u16 length | utf-8)[groups]
+               | tensor*                                         (API -> runner)
     Result  := u16 count | tensor*                                  (runner -> API)
     Failure := u8 code | f64 retry_after_s | utf-8 text             (runner -> API)
     Started := u32 count | u64 call_ids[count]                      (runner -> API; id 0)
@@ -47,7 +48,8 @@ from batchserve.runner.types import BYTES, DATATYPES, Tensors
 
 _LENGTH = struct.Struct("<I")
 _HEAD = struct.Struct("<BQ")
-_CALL = struct.Struct("<dIH")
+_CALL = struct.Struct("<dIHB")
+_GROUP_VALUE = struct.Struct("<H")
 _COUNT = struct.Struct("<H")
 _FAILURE = struct.Struct("<Bd")
 _STARTED = struct.Struct("<I")
@@ -56,7 +58,7 @@ _ELEMENT = struct.Struct("<I")
 _HELLO = struct.Struct("<HI")
 _VERSION = struct.Struct("<H")
 NONCE_BYTES = 32
-PROTOCOL_VERSION = 2  # 2: the Call frame carries its row count
+PROTOCOL_VERSION = 3  # 2: the Call frame carries its row count; 3: and its group
 _DTYPES = list(DATATYPES.values())
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 MAX_FRAME = 1 << 31
@@ -94,7 +96,8 @@ class FailureCode(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """Run `tensors`, `rows` along the input batch dimension, within `budget_s` seconds.
+    """Run `tensors`, `rows` along the input batch dimension (1 for a request of ragged or
+    pad inputs: one sequence), within `budget_s` seconds.
 
     The sender counted the rows when it checked the tensors; the runner checks that they
     agree instead of counting again wherever it needs them.
@@ -104,6 +107,8 @@ class Call:
     budget_s: float
     rows: int
     tensors: Tensors
+    group: tuple[str, ...] = ()
+    """The request's values of the runner's `group_by` parameters, as JSON texts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +213,8 @@ def encode(message: Message) -> Chunks:
     out: Chunks = [b""]  # replaced by the length prefix and head
     if isinstance(message, Call):
         head = _HEAD.pack(Kind.CALL, message.id) + _CALL.pack(
-            message.budget_s, message.rows, len(message.tensors))
+            message.budget_s, message.rows, len(message.tensors), len(message.group)
+        ) + _group_bytes(message.group)
         _tensors_chunks(message.tensors, len(head), out)
     elif isinstance(message, Result):
         head = _HEAD.pack(Kind.RESULT, message.id) + _COUNT.pack(len(message.tensors))
@@ -231,6 +237,30 @@ def encode(message: Message) -> Chunks:
         raise WireError(f"a frame of {size} bytes exceeds the wire's limit of {MAX_FRAME}")
     out[0] = _LENGTH.pack(size) + head
     return out
+
+
+def _group_bytes(group: tuple[str, ...]) -> bytes:
+    if len(group) > 255:
+        raise WireError(f"a call's group of {len(group)} values is over 255")
+    parts: list[bytes] = []
+    for value in group:
+        encoded = value.encode()
+        if len(encoded) > 0xFFFF:
+            raise WireError(f"a group value of {len(encoded)} bytes is over 65535")
+        parts += (_GROUP_VALUE.pack(len(encoded)), encoded)
+    return b"".join(parts)
+
+
+def _read_group(body: bytearray, offset: int, count: int) -> tuple[tuple[str, ...], int]:
+    values = []
+    for _ in range(count):
+        (size,) = _GROUP_VALUE.unpack_from(body, offset)
+        offset += _GROUP_VALUE.size
+        if offset + size > len(body):
+            raise WireError("a call's group value overruns its frame")
+        values.append(bytes(body[offset : offset + size]).decode())
+        offset += size
+    return tuple(values), offset
 
 
 def _short(data: bytes, what: str) -> bytes:
@@ -328,8 +358,9 @@ def decode(body: bytearray) -> Message:
         kind, ident = _HEAD.unpack_from(body, 0)
         offset = _HEAD.size
         if kind == Kind.CALL:
-            budget, rows, count = _CALL.unpack_from(body, offset)
-            return Call(ident, budget, rows, _read_tensors(body, offset + _CALL.size, count))
+            budget, rows, count, groups = _CALL.unpack_from(body, offset)
+            group, offset = _read_group(body, offset + _CALL.size, groups)
+            return Call(ident, budget, rows, _read_tensors(body, offset, count), group)
         if kind == Kind.RESULT:
             (count,) = _COUNT.unpack_from(body, offset)
             return Result(ident, _read_tensors(body, offset + _COUNT.size, count))

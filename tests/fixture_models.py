@@ -74,6 +74,41 @@ def gated_echo(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def _record(line: str) -> None:
+    """Append one line about a batch to `batches.log` beside this module."""
+    with Path(__file__).with_name("batches.log").open("a") as log:
+        log.write(line + "\n")
+
+
+def ragged_sums(
+    tokens: np.ndarray, ends: np.ndarray, counts: np.ndarray, bounds: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Each request's sum and length, found through the batch inputs (which must agree);
+    records each batch's requests, elements and ends."""
+    if not (np.array_equal(ends, np.cumsum(counts)) and np.array_equal(bounds[1:], ends)
+            and bounds[0] == 0 and ends[-1] == tokens.size):
+        raise ValueError(f"batch inputs disagree: {ends}, {counts}, {bounds}, {tokens.size}")
+    _record(f"ragged {ends.size} {tokens.size} {' '.join(map(str, ends))}")
+    sums = np.add.reduceat(tokens, bounds[:-1])
+    return {"sum": sums[:, None], "length": counts[:, None].astype(np.int64)}
+
+
+def slow_ragged_sums(tokens: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Each request's sum, 2 ms an element: a sequence of more than 50 elements cannot be
+    run within 100 ms even on an idle model."""
+    time.sleep(0.002 * tokens.size)
+    return np.add.reduceat(tokens, np.concatenate(([0], ends[:-1])))[:, None]
+
+
+def padded_sums(tokens: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
+    """Each request's sum and length from a padded batch, whose padding must be -7;
+    records each batch's rows, real elements and padded width."""
+    real = np.arange(tokens.shape[1]) < lengths[:, None]
+    if tokens.shape[1] != lengths.max() or not (tokens[~real] == -7).all():
+        raise ValueError(f"bad padding: {tokens.tolist()} for lengths {lengths.tolist()}")
+    _record(f"pad {tokens.shape[0]} {int(lengths.sum())} {tokens.shape[1]}")
+    sums = np.where(real, tokens, 0).sum(axis=1)
+    return {"sum": sums[:, None], "length": lengths[:, None].astype(np.int64)}
 def tagged_batch(text: np.ndarray, tag: PerRequest) -> dict[str, np.ndarray]:
     """Tells each row its own request's `tag` (a non-batchable BYTES input, one item per
     request) and how many requests shared its batch; holds each batch 50 ms so that
@@ -83,3 +118,14 @@ def tagged_batch(text: np.ndarray, tag: PerRequest) -> dict[str, np.ndarray]:
         raise TypeError(f"tag came as {type(tag).__name__}, not one item per request")
     tags = np.array([bytes(item[0]) for item in tag.per_row()] or [], dtype=object)
     return {"tag": tags, "requests": np.full(len(text), len(tag), np.int64), "echo": text}
+
+
+def scaled(x: np.ndarray, *, factor: float = 1.0, shift: int = 0) -> dict[str, np.ndarray]:
+    """`x * factor + shift`, for one factor and shift a batch (the runner groups by both),
+    and how many rows shared the batch; holds each batch 5 ms so concurrent requests queue
+    up and batch together."""
+    time.sleep(0.005)
+    if not isinstance(factor, int | float) or not isinstance(shift, int):
+        raise TypeError(f"factor {factor!r} and shift {shift!r} must be numbers")
+    rows = np.full((len(x), 1), len(x), np.int64)
+    return {"y": (x * factor + shift).astype(np.float32), "rows": rows}

@@ -28,7 +28,7 @@ BAD = {
     "unknown key": (
         GOOD.replace("max_batch_size: 100", "max_batch_size: 100\n      max_batch: 3"),
         "runners.iris_clf.batching.max_batch is not a known key; known keys are: enabled, "
-        "max_batch_size, max_latency_ms",
+        "max_batch_elements, max_batch_size, max_latency_ms",
     ),
     "wrong type": (
         GOOD.replace("max_batch_size: 100", "max_batch_size: lots"),
@@ -76,7 +76,9 @@ def test_bad_configuration_exits_with_one_line(tmp_path: Path, kind: str, comman
 def test_the_bundled_configuration_is_valid() -> None:
     result = run("validate", cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "configuration.yml: valid (3 runner(s): iris_clf, mlp, text_features)\n"
+    assert result.stdout == (
+        "configuration.yml: valid (4 runner(s): iris_clf, mlp, text_features, text)\n"
+    )
 
 
 def test_the_reference_batching_keys_are_accepted_verbatim(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from batchserve.runner.adaptive import AdaptivePolicy
-from batchserve.runner.config import RunnerConfig, TensorSpec
+from batchserve.runner.config import BatchInput, RunnerConfig, TensorSpec
 from batchserve.runner.dispatcher import Dispatcher, Rejection
 from batchserve.runner.metrics import RunnerMetrics
 from batchserve.runner.models import Model
@@ -299,3 +299,96 @@ async def test_too_large_is_judged_against_the_runners_own_limit_not_the_budget_
     assert refused.message.endswith(
         "over its max_latency_ms of 1000; send at most 10 rows a request"
     ), refused.message
+
+
+class PerElement(GreedyPolicy):
+    """Greedy, with an idle cost of 1 ms per element: what a ragged request needs is known."""
+
+    def idle_time_s(self, rows: int) -> float:
+        return rows * 0.001
+
+
+SUMS = RunnerConfig(
+    name="sums", model="tests:sums",
+    inputs=(TensorSpec("tokens", "INT64", (-1,), layout="ragged"),),
+    outputs=(TensorSpec("sum", "INT64", (-1,)),),
+    batching=type(RUNNER.batching)(True, 8, 100.0, max_batch_elements=1000),
+    batch_inputs=(BatchInput("accumulated_element_count", "ends", "tokens"),),
+)
+
+
+class Sums:
+    """Each request's sum from a ragged batch; records each batch's tokens, held if shut."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.open.set()
+        self.batches: list[int] = []
+
+    def __call__(self, tokens: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        self.open.wait(10)
+        self.batches.append(tokens.size)
+        return np.add.reduceat(tokens, np.concatenate(([0], ends[:-1])))
+
+
+def sums_dispatcher(policy: Policy, model: Sums | None = None) -> Dispatcher:
+    return Dispatcher(SUMS, Model(SUMS, model or Sums(), torch=False), policy,
+                      RunnerMetrics("test-dispatcher-ragged"))
+
+
+def send_sequence(d: Dispatcher, length: int, budget: float = 10.0,
+                  started: Callable[[], None] | None = None
+                  ) -> asyncio.Future[Tensors | Rejection]:
+    """Submit one ragged request of `length` ones: one row."""
+    future: asyncio.Future[Tensors | Rejection] = asyncio.get_running_loop().create_future()
+    d.submit({"tokens": np.ones(length, np.int64)}, 1, budget, future.set_result, started)
+    return future
+
+
+async def test_a_sequence_too_long_for_the_runners_own_limit_is_413_and_not_for_a_budget(
+) -> None:
+    d = sums_dispatcher(PerElement(1000))
+    await d.start()
+    long = await send_sequence(d, 500)
+    assert isinstance(long, Rejection) and long.code == FailureCode.TOO_LARGE
+    assert long.message == (
+        "500 elements need 500.0 ms on runner 'sums' even when it is idle, by its current cost "
+        "model, over its max_latency_ms of 100; send at most 100 elements a request"
+    )
+    # 80 elements fit the runner's 100 ms even if not this request's 50 ms: never a 413.
+    hurried = await send_sequence(d, 80, budget=0.05)
+    assert not (isinstance(hurried, Rejection) and hurried.code == FailureCode.TOO_LARGE)
+    fits = await send_sequence(d, 80)
+    assert not isinstance(fits, Rejection) and fits["sum"].tolist() == [80]
+
+
+async def test_a_sequence_over_max_batch_elements_is_never_cut_but_refused() -> None:
+    """The signature refuses these before the dispatcher; one that comes anyway is INVALID,
+    not cut into pieces as rows would be (and not a 413: no wait or split could help)."""
+    model = Sums()
+    d = sums_dispatcher(GreedyPolicy(1000), model)
+    await d.start()
+    refused = await send_sequence(d, 1001)
+    assert refused == Rejection(FailureCode.INVALID, (
+        "the request has 1001 elements; runner 'sums' takes at most 1000 in a batch "
+        "(its max_batch_elements)"
+    ))
+    assert model.batches == []
+
+
+async def test_batches_of_sequences_are_bounded_in_elements_and_answered_a_row_each() -> None:
+    """The policy weighs each request by its elements (1000 at most in a batch), and each
+    request gets its one row of the outputs back."""
+    model = Sums()
+    d = sums_dispatcher(GreedyPolicy(1000), model)
+    await d.start()
+    model.open.clear()
+    in_model = asyncio.Event()
+    first = send_sequence(d, 10, started=in_model.set)
+    await in_model.wait()
+    queued = [send_sequence(d, length) for length in (600, 300, 200, 5)]
+    model.open.set()
+    answers = await asyncio.gather(first, *queued)
+    assert [answer["sum"].tolist() for answer in answers
+            if not isinstance(answer, Rejection)] == [[10], [600], [300], [200], [5]]
+    assert model.batches == [10, 900, 205]

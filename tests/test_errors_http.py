@@ -29,7 +29,7 @@ def test_unknown_model_is_404(bundled: Server) -> None:
         answer = client.post("/v2/models/nope/infer", json={"inputs": [ROW]})
         metadata = client.get("/v2/models/nope")
     assert answer.status_code == 404
-    message = "model 'nope' is not served here; known models: iris_clf, mlp, text_features"
+    message = "model 'nope' is not served here; known models: iris_clf, mlp, text, text_features"
     assert answer.json() == {"error": message}
     assert metadata.status_code == 404
 

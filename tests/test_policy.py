@@ -390,3 +390,46 @@ def test_a_batch_held_for_more_rows_is_no_gap() -> None:
         policy.offer(request(ident, ident * 0.01 + 0.009), ident * 0.01 + 0.009)
         batch = policy.poll(ident * 0.01 + 0.009).batch
     assert policy.stats(1.0).gap_s == 0.0
+
+
+# --- groups: requests that may share a batch only with their own kind --------------------------
+
+EN, FR = ("en",), ("fr",)
+
+
+def grouped(ident: int, at: float, group: tuple[str, ...]) -> Request:
+    return Request(ident, 1, at, at + SLO, group)
+
+
+@pytest.mark.parametrize("kind", ["adaptive", "greedy"])
+def test_a_batch_holds_one_group_the_oldest_first_and_the_rest_keep_their_places(
+    kind: str,
+) -> None:
+    policy = adaptive(intercept=0.001, slope=0.0) if kind == "adaptive" else GreedyPolicy(64)
+    blocker = grouped(0, 0.0, EN)
+    policy.offer(blocker, 0.0)
+    running = policy.poll(0.0).batch
+    assert running is not None
+    mixed = [grouped(i, 0.0001 * i, EN if i % 3 else FR) for i in range(1, 10)]
+    for request in mixed:
+        assert policy.offer(request, request.arrival)
+    released = []
+    now = 0.001
+    while running is not None:
+        policy.complete(running, now - 0.001, now)
+        running = policy.poll(now).batch
+        if running is not None:
+            released.append([request.id for request in running.requests])
+        now += 0.001
+    # 1 is English and oldest: every English request goes, then every French one, in order.
+    assert released == [[1, 2, 4, 5, 7, 8], [3, 6, 9]]
+
+
+def test_other_groups_queued_rows_count_as_batches_ahead() -> None:
+    policy = adaptive(intercept=0.004, slope=0.0, size=64)
+    policy.offer(grouped(0, 0.0, EN), 0.0)
+    assert policy.poll(0.0).batch is not None  # runs until 0.004
+    for ident in (1, 2):
+        assert policy.offer(grouped(ident, 0.0, FR), 0.0)
+    assert policy.promised_finish(1, 0.0, FR) == pytest.approx(0.008)  # joins the French batch
+    assert policy.promised_finish(1, 0.0, EN) == pytest.approx(0.012)  # runs after it

@@ -26,7 +26,9 @@ def test_runner_sockets_are_private_to_the_serving_user_and_removed_on_exit(
     assert stat.S_IMODE(info.st_mode) == 0o700
     assert info.st_uid == os.getuid()
     sockets = sorted(path.name for path in folder.glob("*.sock"))
-    assert sockets == ["iris_clf-0.sock", "mlp-0.sock", "text_features-0.sock"]
+    assert sockets == [
+        "iris_clf-0.sock", "mlp-0.sock", "text-0.sock", "text_features-0.sock"
+    ]
     assert all(stat.S_ISSOCK((folder / name).stat().st_mode) for name in sockets)
     assert server.stop() == 0
     assert not folder.exists()

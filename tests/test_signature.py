@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 
 from batchserve.api.dispatch import Link
 from batchserve.api.errors import BadRequest
 from batchserve.api.protocol import decode_infer
-from batchserve.runner.config import RunnerConfig, TensorSpec
+from batchserve.runner.config import RunnerConfig, TensorSpec, parse
 from batchserve.runner.server import Connection
 from batchserve.runner.signature import Signature, SignatureError, fits, shape_text, show
 from batchserve.runner.wire import Address, Call, Failure, FailureCode, Result
@@ -227,3 +228,79 @@ def test_bytes_and_non_batchable_inputs_are_checked_like_any_other(
 ) -> None:
     with refused(message):
         TEXT.check(tensors, rows)
+
+
+# --- ragged and pad inputs: a request is one sequence, one row, weighed in elements ---------
+
+
+def sequences(layout: str) -> Signature:
+    spec = ({"ragged": True} if layout == "ragged" else {"pad": {"value": 0}})
+    return Signature(parse({"runners": {"seq": {
+        "model": "models:seq",
+        "batching": {"max_batch_size": 4, "max_batch_elements": 10},
+        "inputs": [{"name": "tokens", "datatype": "INT64", "shape": [-1], **spec},
+                   {"name": "weights", "datatype": "FP32", "shape": [-1], **spec}],
+        "batch_inputs": [{"kind": "element_count", "name": "n", "source": "tokens"},
+                         {"kind": "element_count", "name": "m", "source": "weights"}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1]}],
+    }}}).runners["seq"])
+
+
+def sequence(tokens: int, weights: int) -> dict[str, np.ndarray]:
+    return {"tokens": np.zeros(tokens, np.int64), "weights": np.ones(weights, np.float32)}
+
+
+@pytest.mark.parametrize("layout", ["ragged", "pad"])
+def test_a_sequence_is_one_row_whatever_its_length_and_costs_its_elements(layout: str) -> None:
+    seq = sequences(layout)
+    for length in (1, 7, 10):
+        seq.check(sequence(length, length), 1)
+        assert seq.rows(sequence(length, length)) == 1
+        assert seq.cost(sequence(length, length), 1) == length
+    assert seq.cost(sequence(3, 8), 1) == 8  # the longest input
+    assert MULTI.cost(call(3), 3) == 3  # rows, for a runner that batches rows
+
+
+@pytest.mark.parametrize("layout", ["ragged", "pad"])
+@pytest.mark.parametrize(
+    ("tensors", "rows", "message"),
+    [
+        (sequence(0, 2), 1,
+         "input 'tokens' has 0 elements; a {layout} input expects a sequence of at least 1"),
+        (sequence(2, 11), 1,
+         "input 'weights' has 11 elements; model 'seq' takes at most 10 in a batch "
+         "(its max_batch_elements), and a request is never split"),
+        (sequence(5, 5), 5, "the call says it has 5 rows, but its inputs have 1 (dimension 0)"),
+        ({"tokens": np.zeros((1, 3), np.int64), "weights": np.ones(3, np.float32)}, 1,
+         "input 'tokens' has shape [1, 3]; expected [-1]"),
+        ({**sequence(2, 2), "n": np.array([2])}, 1,
+         "input 'n' is not an input of model 'seq'; expected one of: tokens, weights"),
+    ],
+)
+def test_a_sequence_the_runner_cannot_take_is_refused_by_the_one_check(
+    layout: str, tensors: dict[str, np.ndarray], rows: int, message: str
+) -> None:
+    """The batch inputs are the runner's to make: a caller cannot send them."""
+    with refused(message.format(layout=layout)):
+        sequences(layout).check(tensors, rows)
+
+
+def test_the_api_counts_a_sequence_as_one_row_by_the_same_check() -> None:
+    runner = parse({"runners": {"seq": {
+        "model": "models:seq",
+        "batching": {"max_batch_elements": 10},
+        "inputs": [{"name": "tokens", "datatype": "INT64", "shape": [-1], "ragged": True}],
+        "batch_inputs": [{"kind": "accumulated_element_count", "name": "ends",
+                          "source": "tokens"}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1]}],
+    }}}).runners["seq"]
+
+    def body(length: int) -> bytes:
+        return orjson.dumps({"inputs": [{"name": "tokens", "datatype": "INT64",
+                                          "shape": [length], "data": [1] * length}]})
+
+    assert decode_infer(body(10), None, runner).rows == 1
+    with pytest.raises(BadRequest, match=r"^input 'tokens' has 11 elements; model 'seq' takes "
+                       r"at most 10 in a batch \(its max_batch_elements\), and a request is "
+                       r"never split$"):
+        decode_infer(body(11), None, runner)
