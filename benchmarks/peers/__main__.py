@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from batchserve.api.load_result import LoadResult
 from batchserve.api.loadgen import loop_factory
 from benchmarks.peers import model_limit, report
 from benchmarks.peers.peer import FEATURES, ROOT, VENVS, Peer, make_shim
@@ -50,6 +51,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"),
                    help="markdown file whose peers markers receive the tables ('' for none)")
     p.add_argument("--install", action="store_true", help="create missing venvs, then exit")
+    p.add_argument("--from-json", type=Path, help="render a saved peers.json again, no runs")
     return p.parse_args(argv)
 
 
@@ -109,6 +111,16 @@ def measure(args: argparse.Namespace, peers: Sequence[Peer]) -> dict[str, object
             "failures": failures, "runs": runs}
 
 
+def load(path: Path) -> dict[str, object]:
+    """A saved ``peers.json`` back into the shape :func:`measure` returns."""
+    saved = orjson.loads(path.read_bytes())
+    saved.pop("summaries", None)
+    saved["model_limit"] = {int(k): v for k, v in saved["model_limit"].items()}
+    saved["runs"] = [Run(r["server"], r["round"], r["rate"], LoadResult(**r["load"]),
+                         r["cpu_s"], r["processes"]) for r in saved["runs"]]
+    return saved  # type: ignore[no-any-return]
+
+
 def markdown(result: dict[str, object], summaries: Sequence[report.Summary]) -> str:
     limit: dict[int, float] = result["model_limit"]  # type: ignore[assignment]
     best = max(limit, key=lambda size: limit[size])
@@ -121,7 +133,7 @@ def markdown(result: dict[str, object], summaries: Sequence[report.Summary]) -> 
         f"{result['seconds']:g} s per rate, {result['minutes']:.0f} minutes in all.",
         report.table(summaries, limit[best]),
         f"Model limit (offline, one torch thread): **{limit[best]:,.0f} samples/s** at batch "
-        f"size {best}.",
+        f"size {best}; {limit.get(64, 0.0):,.0f} at 64, the servers' cap.",
         report.model_table(limit),
         "| server | batching | versions |\n|---|---|---|",
     ]
@@ -164,6 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unknown server(s) {unknown}; known: {', '.join(PEERS)}", file=sys.stderr)
         return 2
     peers = [PEERS[n] for n in names]
+    if args.from_json:
+        print(write(args, load(args.from_json)))
+        return 0
     make_shim()
     if args.install:
         install(peers)
