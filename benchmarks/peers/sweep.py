@@ -1,0 +1,116 @@
+"""The measuring run: every server fresh, warmed up, then each rate with the same client.
+
+Rounds alternate the servers' order (forward, then reversed), so a drift of the shared machine
+over the session hits all of them alike. Server CPU is that of every process in the
+server's session, read from ``/proc`` around each rate (see ``benchmarks.peers.cpu``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from batchserve.api.load_result import LoadResult
+from batchserve.api.loadgen import run_load
+from benchmarks.load import cpu_between
+from benchmarks.peers.cpu import server_cpu
+from benchmarks.peers.launch import started
+from benchmarks.peers.peer import Peer
+
+PASS_P99_MS = 100.0
+PASS_NON_OK = 0.01
+HEADERS = {"Content-Type": "application/json"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One server, one round, one rate: what the client saw and what the server burnt."""
+
+    server: str
+    round: int
+    rate: float
+    load: LoadResult
+    cpu_s: float
+    processes: int
+
+    @property
+    def passed(self) -> bool:
+        p99 = self.load.ok_p99_ms
+        return p99 is not None and p99 <= PASS_P99_MS and self.load.errors < PASS_NON_OK
+
+    @property
+    def cpu_ms_per_req(self) -> float:
+        return self.cpu_s * 1e3 / self.load.sent if self.load.sent else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {"server": self.server, "round": self.round, "rate": self.rate,
+                "passed": self.passed, "cpu_s": self.cpu_s,
+                "cpu_ms_per_req": self.cpu_ms_per_req, "processes": self.processes,
+                "load": self.load.as_dict()}
+
+
+@dataclass(frozen=True)
+class Settings:
+    seconds: float
+    warmup_rate: float
+    warmup_seconds: float
+    drain_s: float
+    logs: Path
+
+
+def order(peers: Sequence[Peer], round_: int) -> list[Peer]:
+    return list(peers) if round_ % 2 == 0 else list(reversed(peers))
+
+
+def one_server(
+    runner: asyncio.Runner, peer: Peer, row: list[float], expected: list[float],
+    rates: Sequence[float], round_: int, settings: Settings,
+) -> list[Run]:
+    """Start ``peer`` fresh, warm it up, then run each rate in turn on it."""
+    body = orjson.dumps(peer.body(row))
+    log = settings.logs / f"{peer.name}.log"
+    runs = []
+    with started(peer, body, expected, log) as server:
+        print(f"  {peer.name}: answering after {server.startup_s:.1f} s", flush=True)
+        runner.run(run_load(server.url, body, HEADERS, settings.warmup_rate,
+                            settings.warmup_seconds, seed=round_ + 1000))
+        for rate in rates:
+            before = server_cpu(server.pid)
+            load = runner.run(run_load(server.url, body, HEADERS, rate, settings.seconds,
+                                       seed=round_, drain_timeout=settings.drain_s))
+            cpu = cpu_between(before, server_cpu(server.pid))
+            runs.append(Run(peer.name, round_, rate, load, cpu.seconds, cpu.processes))
+            print(f"    {rate:6g} req/s: ok {load.ok}/{load.sent}, p99 {load.ok_p99_ms or 0:.1f}"
+                  f" ms, goodput {load.goodput:.0f}/s, cpu {runs[-1].cpu_ms_per_req:.2f} "
+                  f"ms/req{'' if runs[-1].passed else '  (fails)'}", flush=True)
+    return runs
+
+
+def rounds(
+    runner: asyncio.Runner, peers: Sequence[Peer], row: list[float], expected: list[float],
+    rates_of: Callable[[Peer], Sequence[float]], count: int, settings: Settings,
+    failures: dict[str, str],
+) -> list[Run]:
+    """``count`` rounds over ``peers`` (order alternating); a peer without rates is skipped.
+
+    A server that does not start or answers wrongly is noted in ``failures`` and the sweep
+    goes on with the others.
+    """
+    runs: list[Run] = []
+    for round_ in range(count):
+        began = time.monotonic()
+        for peer in order(peers, round_):
+            if not (rates := rates_of(peer)):
+                continue
+            try:
+                runs += one_server(runner, peer, row, expected, rates, round_, settings)
+            except (RuntimeError, OSError) as exc:
+                failures[peer.name] = f"round {round_ + 1}: {exc}"
+                print(f"  {peer.name}: {exc}", flush=True)
+        print(f"  round {round_ + 1} took {time.monotonic() - began:.0f} s", flush=True)
+    return runs
