@@ -30,16 +30,18 @@ class Shedder:
     """The share of new requests to turn away, driven by the measured loop lag.
 
     It acts on a standing backlog, not on a busy moment: only while even the smallest lag of
-    the last `window` ticks (30 ms) is over the target (a tenth of a 100 ms limit) does the
+    the last `window` ticks (100 ms) is over the target (a tenth of a 100 ms limit) does the
     share climb, by `step_up` a tick (from nothing to half the traffic in another 100 ms); on a
     timely tick it falls by `step_down` (half a second from half to nothing). A loop that is
     busy in bursts but catches up between them, as under closed-loop clients whose requests
     in flight are bounded, has timely ticks in every window and sheds nothing (CoDel's rule
-    for queues). Measured: 64 closed-loop clients, lag p99 3 ms, nothing shed.
+    for queues). Measured with 64 closed-loop clients on the bundled `mlp`: a window of 30 ms
+    shed 3 to 26 of about 35,000 requests in some 10 s runs; a backlog that overload builds
+    lasts seconds, so waiting 100 ms to act on it costs little.
     """
 
     target_s: float = 0.010
-    window: int = 3
+    window: int = 10
     step_up: float = 0.05
     step_down: float = 0.01
     ceiling: float = 0.95
