@@ -5,7 +5,7 @@ turn on this worker's event loop and is encoded: under load that takes milliseco
 overload, where every admitted request is served at the edge of its deadline, it would make
 most answers late by exactly that much. So each API worker measures, per runner, how long
 after the runner's deadline its answers leave (their *overrun*), and gives later requests
-that much less time: the 99.5th percentile of the recent overruns, at most a quarter of the
+that much less time: the 99.8th percentile of the recent overruns, at most a quarter of the
 limit. It measures only on this worker's clock, so it holds for runners on other hosts too.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections import deque
 
-WINDOW = 1024  # overruns remembered
+WINDOW = 2048  # overruns remembered
 EVERY = 32  # new overruns between two estimates
-QUANTILE = 0.995
+QUANTILE = 0.998
 MOST = 0.25  # of the limit, whatever is measured
 
 
