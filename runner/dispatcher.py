@@ -86,6 +86,7 @@ class _Job:
     index: int = 0
     started: Started | None = None
     rows: int = 1  # its rows in the outputs; its size for the policy may count elements
+    options: dict[str, Any] = field(default_factory=dict)  # its group_by values, decoded
 
 
 @dataclass(slots=True)
@@ -263,11 +264,11 @@ class Dispatcher:
         for ragged or pad inputs); `reply` is called exactly once, on the event loop, and
         `started` whenever a batch holding it (or a piece of it) goes to the model. `group`
         holds its values of the runner's `group_by` parameters, as JSON texts."""
-        if group or self.runner.group_by:
-            problem = self._group_problem(group)
-            if problem:
-                self._reply(reply, Rejection(FailureCode.INVALID, problem))
-                return
+        try:
+            options = self._group_options(group)
+        except ValueError as problem:
+            self._reply(reply, Rejection(FailureCode.INVALID, str(problem)))
+            return
         if not self._accepting:
             self._reply(reply, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
             return
@@ -287,7 +288,7 @@ class Dispatcher:
             self._reply(reply, self._too_large(cost))
             return
         if cost <= self.max_cost:
-            job = _Job(tensors, reply, started=started, rows=rows)
+            job = _Job(tensors, reply, started=started, rows=rows, options=options)
             self._offer(job, cost, now, deadline, group)
             return
         pieces = batching.chunk(
@@ -295,7 +296,8 @@ class Dispatcher:
         )
         whole = _Whole(reply, [None] * len(pieces), len(pieces))
         for index, (piece, size) in enumerate(pieces):
-            self._offer(_Job(piece, reply, whole, index, started, size), size, now, deadline, group)
+            job = _Job(piece, reply, whole, index, started, size, options)
+            self._offer(job, size, now, deadline, group)
 
     def _least_time_s(self, cost: int) -> float:
         """What a request of `cost` (rows, or elements) needs on an idle model: full batches
@@ -384,8 +386,7 @@ class Dispatcher:
                 job.started()
         parts = [job.tensors for job in jobs]
         sizes = [job.rows for job in jobs]
-        options = self._options(batch.requests[0].group)
-        future = self._model_thread.submit(self._execute, parts, sizes, options)
+        future = self._model_thread.submit(self._execute, parts, sizes, jobs[0].options)
         future.add_done_callback(lambda done: self._to_loop(self._completed, batch, done))
         self._watchdog = self._loop.call_later(
             self.runner.batch_timeout_s, self._overran, batch
@@ -418,24 +419,21 @@ class Dispatcher:
         with contextlib.suppress(RuntimeError):  # the loop closed after a drain
             self._loop.call_soon_threadsafe(callback, *args)
 
-    def _group_problem(self, group: tuple[str, ...]) -> str:
-        """What is wrong with a call's group values, or nothing: one JSON value for each
-        `group_by` parameter (the API writes them so; another peer may not)."""
+    def _group_options(self, group: tuple[str, ...]) -> dict[str, Any]:
+        """A call's `group_by` values as the model takes them, keywords, decoded once on
+        arrival; ValueError says what is wrong (the API writes one JSON value for each
+        parameter; another peer may not)."""
         names = self.runner.group_by
         if len(group) != len(names):
-            return (f"runner {self.runner.name!r} batches by {len(names)} parameters; the call "
-                    f"carried {len(group)} values")
+            raise ValueError(f"runner {self.runner.name!r} batches by {len(names)} parameters; "
+                             f"the call carried {len(group)} values")
+        options = {}
         for name, text in zip(names, group, strict=True):
             try:
-                json.loads(text)
+                options[name] = json.loads(text)
             except ValueError:
-                return f"the call's value of parameter {name!r} is not JSON"
-        return ""
-
-    def _options(self, group: tuple[str, ...]) -> dict[str, Any]:
-        """The `group_by` parameters' values, as the model takes them: keywords."""
-        return {name: json.loads(text) for name, text in zip(self.runner.group_by, group,
-                                                                strict=True)}
+                raise ValueError(f"the call's value of parameter {name!r} is not JSON") from None
+        return options
 
     def _execute(
         self, parts: list[Tensors], sizes: list[int], options: dict[str, Any]
