@@ -11,7 +11,7 @@ limit. It measures only on this worker's clock, so it holds for runners on other
 
 from __future__ import annotations
 
-from collections import deque
+from batchserve.runner.latency_model import RecentQuantile
 
 WINDOW = 2048  # overruns remembered
 EVERY = 32  # new overruns between two estimates
@@ -23,18 +23,11 @@ class Reserve:
     """The recent high quantile of overruns: how much of the limit to keep back."""
 
     def __init__(self) -> None:
-        self._overruns: deque[float] = deque(maxlen=WINDOW)
-        self._fresh = 0
-        self._seconds = 0.0
+        self._overruns = RecentQuantile(WINDOW, EVERY, QUANTILE)
 
     def seconds(self, limit_s: float) -> float:
-        return min(self._seconds, MOST * limit_s)
+        return min(max(0.0, self._overruns.high), MOST * limit_s)
 
     def observe(self, overrun_s: float) -> None:
         """How long after the runner's deadline an answer left (negative: before it)."""
-        self._overruns.append(overrun_s)
-        self._fresh += 1
-        if self._fresh >= EVERY:
-            self._fresh = 0
-            ranked = sorted(self._overruns)
-            self._seconds = max(0.0, ranked[min(len(ranked) - 1, int(QUANTILE * len(ranked)))])
+        self._overruns.add(overrun_s)

@@ -17,9 +17,9 @@ from typing import Any
 
 from batchserve.runner.latency_model import (
     Fit,
-    Gaps,
     LatencyModel,
     RateEstimator,
+    RecentQuantile,
     Timing,
     fit_samples,
 )
@@ -140,7 +140,11 @@ class AdaptivePolicy:
         self._fresh_rows = 0
         self._shifted = False
         self._pending_since: float | None = None
-        self._gaps = Gaps()
+        # How long the model stands idle between two batches run back to back: the loop has
+        # to see one end and the model thread to pick up the next. No batch's own time shows
+        # it, yet a request waits one per batch ahead; on cores shared with busy API workers
+        # it is milliseconds.
+        self._gaps = RecentQuantile(window=256, every=16, quantile=0.99)
         self._last_finished: float | None = None
         self._just_completed = False  # the next poll follows a batch's end
         self._chained = False  # the running batch went out at once after the one before
@@ -185,7 +189,7 @@ class AdaptivePolicy:
     ) -> None:
         self._running = None
         if self._chained and self._last_finished is not None:
-            self._gaps.add(started - self._last_finished)
+            self._gaps.add(max(0.0, started - self._last_finished))
         self._last_finished, self._just_completed = finished, True
         elapsed = finished - started
         rows = batch.rows
@@ -208,7 +212,7 @@ class AdaptivePolicy:
             target_rows=self.target_rows,
             spread=fit.spread,
             stretch=fit.stretch,
-            gap_s=self._gaps.mean_s,
+            gap_s=self._gaps.mean,
         )
 
     def calibration_sizes(self) -> tuple[int, ...]:
@@ -298,7 +302,7 @@ class AdaptivePolicy:
             ahead, batches = ahead + others_s, batches + others
         gaps = self._gaps
         # One gap before every batch still to start, the worst of them at its high quantile.
-        ahead += batches * gaps.mean_s + (gaps.high_s - gaps.mean_s)
+        ahead += batches * gaps.mean + (gaps.high - gaps.mean)
         rate = max(self._admitted_rate.rate(now), self._admitted_now.rate(now))
         joining = rate * (start + ahead - now)
         own_s = intercept_s + slope_s * min(room, rest + joining)
@@ -367,7 +371,7 @@ class AdaptivePolicy:
         batch_s = self._mean_intercept_s + self._mean_slope_s * rows
         sums = _Sums(running_s)
         sums.add(batch_s)
-        finish = start + self._gaps.high_s + batch_s + self._reserve(sums)
+        finish = start + self._gaps.high + batch_s + self._reserve(sums)
         earliest = min((queued.deadline for queued in self._queue), default=math.inf)
         if finish > min(earliest, request.deadline):
             return False

@@ -334,33 +334,27 @@ def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
     return float(values[order][min(index, values.size - 1)])
 
 
-class Gaps:
-    """How long the model stands idle between two batches run back to back.
+class RecentQuantile:
+    """The mean and a high quantile of the last `window` values, estimated again every
+    `every` new values: the idle gap between batches (the adaptive policy) and the overrun of
+    answers past their deadline (the API's reserve) are both read this way."""
 
-    The event loop has to see one batch end before the next can go, and the model thread has
-    to pick it up: no batch's own time shows this, yet a request waits one gap per batch
-    ahead of it. On an idle machine it is tens of microseconds; on cores shared with busy API
-    workers it is milliseconds, and a promise over ten batches that ignored it would be late.
-    """
-
-    WINDOW = 256
-    EVERY = 16  # new gaps between two estimates
-    QUANTILE = 0.99
-
-    def __init__(self) -> None:
-        self._seen: deque[float] = deque(maxlen=self.WINDOW)
+    def __init__(self, window: int, every: int, quantile: float) -> None:
+        self._seen: deque[float] = deque(maxlen=window)
+        self._every = every
+        self._quantile = quantile
         self._fresh = 0
-        self.mean_s = 0.0
-        self.high_s = 0.0  # the recent 99th percentile of one gap
+        self.mean = 0.0
+        self.high = 0.0
 
-    def add(self, gap_s: float) -> None:
-        self._seen.append(max(0.0, gap_s))
+    def add(self, value: float) -> None:
+        self._seen.append(value)
         self._fresh += 1
-        if self._fresh >= self.EVERY:
+        if self._fresh >= self._every:
             self._fresh = 0
             ranked = sorted(self._seen)
-            self.mean_s = sum(ranked) / len(ranked)
-            self.high_s = ranked[min(len(ranked) - 1, int(self.QUANTILE * len(ranked)))]
+            self.mean = sum(ranked) / len(ranked)
+            self.high = ranked[min(len(ranked) - 1, int(self._quantile * len(ranked)))]
 
 
 class RateEstimator:
