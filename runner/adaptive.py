@@ -76,6 +76,11 @@ class Tuning:
     """The longest hold for more rows, as a share of the latency limit ..."""
     hold_intercepts: float = 10.0
     """... and as a multiple of the batch intercept, whichever is shorter."""
+    stall_after: float = 3.0
+    """A batch still running at this multiple of its predicted high quantile has stalled (a
+    GC pause, a hung call, a descheduled thread): too far out for the contention tail, whose
+    p99 the high quantile already is. It is then expected to run on for half the time it has
+    run, a Pareto tail's expected remainder at `TAIL_INDEX`."""
 
 
 class AdaptivePolicy:
@@ -129,6 +134,7 @@ class AdaptivePolicy:
         self._running: Batch | None = None
         self._done_mean = 0.0
         self._running_mean_s = 0.0
+        self._stalled_at = math.inf  # when the running batch counts as stalled
         self._probe = -1  # the id of the last request an idle model admitted on its cost curve
         self._request_rate = RateEstimator(tuning.rate_tau_s)
         self._row_rate = RateEstimator(tuning.rate_tau_s)
@@ -346,9 +352,18 @@ class AdaptivePolicy:
 
     def _next_start(self, now: float) -> tuple[float, float]:
         """When the next batch is expected to start, and the mean time of the running batch
-        whose end that is (0 when the model is idle)."""
+        whose end that is (0 when the model is idle).
+
+        A running batch past its mean is expected to end now, unless it has stalled: then
+        it is expected to run on for half as long as it has run (`Tuning.stall_after`), so
+        requests that a stall would strand in the queue are refused at once, not answered
+        late or at their deadline.
+        """
         if self._running is None:
             return now + self.window_s, 0.0
+        if now >= self._stalled_at:
+            began = self._done_mean - self._running_mean_s
+            return now + (now - began) / (TAIL_INDEX - 1.0), self._running_mean_s
         start = self._done_mean if self._done_mean > now else now
         return start, self._running_mean_s
 
@@ -492,6 +507,7 @@ class AdaptivePolicy:
         self._running = batch
         self._running_mean_s = intercept + slope * rows
         self._done_mean = now + self._running_mean_s
+        self._stalled_at = now + self.tuning.stall_after * batch.predicted_s
         return batch, tuple(dropped)
 
     def _unqueue(self, request: Request) -> None:

@@ -55,6 +55,20 @@ def test_refuses_at_arrival_when_the_queue_ahead_makes_it_late() -> None:
     assert policy.stats(0.03).queued == 2
 
 
+def test_a_stalled_batch_runs_on_in_promises_and_what_it_would_strand_is_refused() -> None:
+    policy = adaptive(intercept=0.01, slope=0.0)
+    policy.offer(request(0, 0.0), 0.0)
+    batch = policy.poll(0.0).batch  # predicted 10 ms at its high quantile: stalled from 30 ms
+    assert batch is not None
+    assert policy.promised_finish(1, 0.029) == pytest.approx(0.029 + 0.01)  # late, not stalled
+    assert policy.promised_finish(1, 0.04) == pytest.approx(0.04 + 0.02 + 0.01)  # half again
+    assert not policy.offer(request(1, 0.2), 0.2)  # would start at 0.3 and end past 0.3
+    assert policy.stats(0.2).queued == 0
+    policy.complete(batch, 0.0, 0.25)
+    assert policy.offer(request(2, 0.25), 0.25)  # the stall is over: served at once
+    assert policy.poll(0.25).batch is not None
+
+
 def test_the_heavy_tail_adds_over_batches_as_a_cube_norm_the_normal_spread_in_quadrature() -> None:
     policy = AdaptivePolicy(64, SLO)
     # k * spread = 0.15 of normal noise; the stretches' own p99 says 2.0: a tail of 0.85 more.
