@@ -43,9 +43,12 @@ def busy_echo(x: np.ndarray) -> np.ndarray:
 
 
 def stall_echo(x: np.ndarray) -> np.ndarray:
-    """Echoes its input; a batch holding a -1 stalls for 200 ms first (a fault injected)."""
+    """Echoes its input; a batch holding a -1 stalls for 200 ms first, one holding a -2 for a
+    second (faults injected)."""
     if (x == -1).any():
         time.sleep(0.2)
+    if (x == -2).any():
+        time.sleep(1.0)
     return x
 
 

@@ -14,8 +14,10 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import pytest
 
 from batchserve.api.loadgen import run_load
@@ -240,3 +242,40 @@ def test_a_live_runner_rides_out_a_stall_and_a_burst_of_a_thousand(serve: object
     with server.client() as client:  # serving normally right after
         assert client.post("/v2/models/stall/infer", content=body(2.0), headers=headers
                            ).status_code == 200
+
+
+STALL_TIGHT = """
+runners:
+  stall:
+    model: fixture_models:stall_echo
+    batch_timeout_ms: 5000
+    batching: {max_batch_size: 16, max_latency_ms: 50}
+    inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]
+    outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]
+"""
+
+
+def test_what_a_stalled_batch_would_strand_is_refused_at_once_not_at_its_deadline(
+    serve: object,
+) -> None:
+    server: Server = serve(STALL_TIGHT)  # type: ignore[operator]
+    url = f"{server.url}/v2/models/stall/infer"
+    headers = {"Content-Type": "application/json"}
+
+    def post(value: float) -> httpx.Response:
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
+                            "data": [value] * 4}]}
+        with server.client() as client:
+            return client.post(url, json=body, headers=headers)
+
+    assert post(1.0).status_code == 200
+    with ThreadPoolExecutor(1) as pool:
+        stalled = pool.submit(post, -2.0)  # a one-second stall in the model
+        time.sleep(0.4)  # well into it: the batch has run far past its predicted time
+        answers = [post(1.0) for _ in range(3)]
+        assert stalled.result().status_code == 200
+    # Admitted, each would have waited its 50 ms in the queue and expired there.
+    for answer in answers:
+        assert answer.status_code == 503
+        assert "refused the request" in answer.json()["error"]  # at arrival, not expired
+    assert post(1.0).status_code == 200  # and normal once the batch is back
