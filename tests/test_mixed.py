@@ -27,8 +27,12 @@ from batchserve.runner.bundled import mlp, recase
 from batchserve.runner.text_model import VOCAB, RaggedText
 from tests.conftest import ROOT, Server, start_server
 
+# Keep-alive well past any pause of this client: it encodes and decodes 30 MB of JSON on the
+# cores the server uses, and a pooled connection reused just as the server's 5 s keep-alive
+# closes it fails the request with a ReadError, the client's race and not the server's.
 CONFIG = """
 api: {workers: 2}
+timeouts: {keep_alive_s: 60}
 runners:
   mlp:
     model: batchserve.runner.bundled:mlp
