@@ -185,13 +185,19 @@ def _fail(key: str, value: Any, expected: str) -> ConfigError:
     return ConfigError(f"{key} has value {value!r}; it must be {expected}")
 
 
-def _mapping(key: str, value: Any, allowed: set[str]) -> Mapping[str, Any]:
+def _mapping(
+    key: str, value: Any, allowed: set[str], required: tuple[str, ...] = ()
+) -> Mapping[str, Any]:
+    """`value` as a mapping holding only `allowed` keys, and every one of `required`."""
     if not isinstance(value, Mapping):
         raise _fail(key, value, "a mapping")
     for name in value:
         if name not in allowed:
             known = ", ".join(sorted(allowed))
             raise ConfigError(f"{key}.{name} is not a known key; known keys are: {known}")
+    for name in required:
+        if name not in value:
+            raise ConfigError(f"{key}.{name} is missing")
     return value
 
 
@@ -224,10 +230,7 @@ def _str(key: str, value: Any) -> str:
 
 def _tensor(key: str, value: Any, keys: set[str]) -> TensorSpec:
     """One tensor, with only the keys in `keys` (inputs have a few more than outputs)."""
-    raw = _mapping(key, value, keys)
-    for required in ("name", "datatype", "shape"):
-        if required not in raw:
-            raise ConfigError(f"{key}.{required} is missing")
+    raw = _mapping(key, value, keys, ("name", "datatype", "shape"))
     datatype = raw["datatype"]
     if datatype not in DATATYPES:
         raise _fail(f"{key}.datatype", datatype, "one of " + ", ".join(DATATYPES))
@@ -383,10 +386,7 @@ def _layout_text(layout: Layout) -> str:
 
 
 def _batch_input(key: str, value: Any, runner: RunnerConfig) -> BatchInput:
-    raw = _mapping(key, value, {"kind", "name", "source", "datatype"})
-    for required in ("kind", "name", "source"):
-        if required not in raw:
-            raise ConfigError(f"{key}.{required} is missing")
+    raw = _mapping(key, value, {"kind", "name", "source", "datatype"}, ("kind", "name", "source"))
     kind = raw["kind"]
     if kind not in BATCH_INPUT_KINDS:
         raise _fail(f"{key}.kind", kind, "one of " + ", ".join(BATCH_INPUT_KINDS))
@@ -453,10 +453,7 @@ def _choice(key: str, value: Any) -> Choice:
 
 
 def _runner(key: str, name: str, value: Any) -> RunnerConfig:
-    raw = _mapping(key, value, RUNNER_KEYS)
-    for required in ("model", "inputs", "outputs"):
-        if required not in raw:
-            raise ConfigError(f"{key}.{required} is missing")
+    raw = _mapping(key, value, RUNNER_KEYS, ("model", "inputs", "outputs"))
     model = _str(f"{key}.model", raw["model"])
     if ":" not in model:
         raise _fail(f"{key}.model", model, "an import path 'module:attribute'")
