@@ -58,6 +58,11 @@ class Tuning:
     summed over the batches a request waits for."""
     sample_window: int = 128
     """Measured batches the regression keeps."""
+    stretch_window: int = 1024
+    """Measured batches the stretch, its spread and its tail are read from. The tail is their
+    99th percentile, which must be the contention's and not a rare stall's: a stall in 500
+    batches, seen three times in 256 by chance, would set a 256-batch p99 and refuse nearly
+    everything until it left the window."""
     half_life: float = 32.0
     """Batches back at which a measured batch weighs half as much as the newest."""
     calibration_weight: float = 0.1
@@ -117,6 +122,7 @@ class AdaptivePolicy:
         self.tuning = tuning
         self.model = LatencyModel(
             window=tuning.sample_window,
+            stretch_window=tuning.stretch_window,
             half_life=tuning.half_life,
             calibration_weight=tuning.calibration_weight,
             quantile_k=tuning.quantile_k,

@@ -140,7 +140,7 @@ class LatencyModel:
         self,
         *,
         window: int = 128,
-        stretch_window: int = 256,
+        stretch_window: int = 1024,
         half_life: float = 32.0,
         calibration_weight: float = 0.1,
         quantile_k: float = 3.0,
