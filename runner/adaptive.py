@@ -84,8 +84,9 @@ class Tuning:
     stall_after: float = 3.0
     """A batch still running at this multiple of its predicted high quantile has stalled (a
     GC pause, a hung call, a descheduled thread): too far out for the contention tail, whose
-    p99 the high quantile already is. It is then expected to run on for half the time it has
-    run, a Pareto tail's expected remainder at `TAIL_INDEX`."""
+    p99 the high quantile already is. It is then expected to overrun as long as the recent
+    batches that overran longer did on average (`Fit.overruns`), or, if none did, to run on
+    for half the time it has run, a Pareto tail's expected remainder at `TAIL_INDEX`."""
 
 
 class AdaptivePolicy:
@@ -316,6 +317,10 @@ class AdaptivePolicy:
         # One gap before every batch still to start, the worst of them at its high quantile.
         ahead += batches * gaps.mean + (gaps.high - gaps.mean)
         rate = max(self._admitted_rate.rate(now), self._admitted_now.rate(now))
+        if now >= self._stalled_at:
+            # A stall refuses what arrives early in it, so the admitted rate falls to nothing;
+            # what arrives once its end is in sight joins the batch after it.
+            rate = max(rate, self._row_rate.rate(now))
         joining = rate * (start + ahead - now)
         own_s = intercept_s + slope_s * min(room, rest + joining)
         sums.add(own_s)
@@ -361,15 +366,20 @@ class AdaptivePolicy:
         whose end that is (0 when the model is idle).
 
         A running batch past its mean is expected to end now, unless it has stalled: then
-        it is expected to run on for half as long as it has run (`Tuning.stall_after`), so
-        requests that a stall would strand in the queue are refused at once, not answered
-        late or at their deadline.
+        it is expected to run as long as the stalls seen lately, or on for half as long as it
+        has run (`Tuning.stall_after`), so requests that a stall would strand in the queue are
+        refused at once, not answered late or at their deadline.
         """
         if self._running is None:
             return now + self.window_s, 0.0
         if now >= self._stalled_at:
-            began = self._done_mean - self._running_mean_s
-            return now + (now - began) / (TAIL_INDEX - 1.0), self._running_mean_s
+            mean_s = self._running_mean_s
+            began = self._done_mean - mean_s
+            overrun = now - self._done_mean
+            longer = [seconds for seconds in self._fit.overruns if seconds > overrun]
+            if longer:
+                return self._done_mean + sum(longer) / len(longer), mean_s
+            return now + (now - began) / (TAIL_INDEX - 1.0), mean_s
         start = self._done_mean if self._done_mean > now else now
         return start, self._running_mean_s
 

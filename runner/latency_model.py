@@ -55,6 +55,9 @@ the machine has changed (by chance, rarer than one in a million batches)."""
 TAIL_QUANTILE = 0.99
 FEW_RECENT = 16
 """With fewer recent batches than this, the spread is not allowed to fall below the last."""
+LONGEST = 8
+"""The longest overruns of the recent batches a fit keeps: what a batch still running far past
+its prediction (a stall) is expected to run to, from the stalls this machine has shown."""
 
 
 class Timing(NamedTuple):
@@ -80,6 +83,8 @@ class Fit:
     samples: int = 0
     stretch: float = 1.0
     cost_factor: float = 1.0
+    overruns: tuple[float, ...] = ()
+    """The `LONGEST` largest of wall time minus `mean` over the recent batches, ascending."""
 
     def mean(self, rows: int) -> float:
         return self.intercept_s + self.slope_s * rows
@@ -241,8 +246,11 @@ def fit_samples(snapshot: Snapshot) -> Fit:
         stretches = np.asarray(snapshot.recent_wall_s, dtype=float) * 1000.0 / curve
         stretch, spread = _stretch(stretches, snapshot.half_life, snapshot.previous)
         tail = _quantile(stretches, TAIL_QUANTILE) / stretch
+        overrun = (stretches - stretch) * curve / 1000.0
+        overruns = tuple(float(x) for x in np.sort(overrun)[-LONGEST:])
     else:
         stretch, spread, tail = snapshot.previous.stretch, cost_spread, 1.0
+        overruns = snapshot.previous.overruns
     spread = max(spread, snapshot.min_spread)
     return Fit(
         intercept_s=stretch * intercept / 1000.0,
@@ -252,6 +260,7 @@ def fit_samples(snapshot: Snapshot) -> Fit:
         samples=len(snapshot.rows),
         stretch=stretch,
         cost_factor=1.0 + snapshot.quantile_k * cost_spread,
+        overruns=overruns,
     )
 
 

@@ -230,3 +230,16 @@ def test_three_rare_stalls_close_together_do_not_become_the_tail() -> None:
     # The tail stays the normal noise's; a stall in flight is the stall rule's (adaptive.py).
     # Read from the last 256 batches alone, the p99 was a stall: a factor of about 20.
     assert fit.factor < 1.5
+
+
+def test_a_fit_keeps_the_longest_recent_overruns_a_stall_is_judged_by() -> None:
+    rng = random.Random(12)
+    model = calibrated(rng)
+    for i in range(200):
+        cpu = batch_time(8, rng)
+        model.add(8, cpu + (0.2 if i == 100 else 0.0), cpu)
+    fit = refit(model)
+    assert len(fit.overruns) == 8
+    assert list(fit.overruns) == sorted(fit.overruns)
+    assert fit.overruns[-1] == pytest.approx(0.2, rel=0.05)  # the stall, in seconds past the mean
+    assert fit.overruns[-2] < 0.002  # the rest is noise on a 9 ms batch

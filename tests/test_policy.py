@@ -69,6 +69,31 @@ def test_a_stalled_batch_runs_on_in_promises_and_what_it_would_strand_is_refused
     assert policy.poll(0.25).batch is not None
 
 
+def test_a_stalled_batch_is_expected_to_overrun_as_long_as_the_stalls_seen_lately() -> None:
+    policy = AdaptivePolicy(64, SLO)
+    overruns = (0.002, 0.05, 0.19)  # the longest recent overruns: two stalls among them
+    policy.apply_fit(Fit(intercept_s=0.01, slope_s=0.0, factor=1.0, samples=1, overruns=overruns))
+    policy.offer(request(0, 0.0), 0.0)
+    assert policy.poll(0.0).batch is not None  # 10 ms in the mean: stalled from 30 ms
+    # 30 ms over its mean: both stalls overran longer, so it is expected to overrun their mean.
+    assert policy.promised_finish(1, 0.04) == pytest.approx(0.01 + 0.12 + 0.01)
+    assert policy.promised_finish(1, 0.07) == pytest.approx(0.01 + 0.19 + 0.01)  # the longer
+    # Past every overrun seen: on for half as long as it has run.
+    assert policy.promised_finish(1, 0.25) == pytest.approx(0.25 + 0.125 + 0.01)
+
+
+def test_arrivals_near_a_stalls_end_count_the_refused_rate_as_joiners() -> None:
+    policy = AdaptivePolicy(64, SLO)
+    policy.apply_fit(Fit(intercept_s=0.01, slope_s=0.001, factor=1.0, samples=1, overruns=(0.19,)))
+    policy.offer(request(0, 0.0), 0.0)
+    assert policy.poll(0.0).batch is not None  # 11 ms in the mean, expected to end at 0.201
+    for i in range(1, 51):  # arrive early in the stall: refused, so none of them was admitted
+        assert not policy.offer(request(i, 0.05 + i * 0.0002), 0.05 + i * 0.0002)
+    # Everything arriving from now until the stall ends joins the next batch: at the 50
+    # refused requests' rate that is several rows more than the one request alone.
+    assert policy.promised_finish(1, 0.15) > 0.201 + 0.011 + 0.005
+
+
 def test_the_heavy_tail_adds_over_batches_as_a_cube_norm_the_normal_spread_in_quadrature() -> None:
     policy = AdaptivePolicy(64, SLO)
     # k * spread = 0.15 of normal noise; the stretches' own p99 says 2.0: a tail of 0.85 more.
