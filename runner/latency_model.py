@@ -29,7 +29,8 @@ Why two parts:
   (MAD) estimate of the relative deviation of the stretch (batch time noise is
   multiplicative), or the recent stretches' own 99th percentile over their median if that
   is more: contention on shared cores has a heavier tail than a normal law, and a promise
-  must cover the tail that is there.
+  must cover the tail that is there. Until a hundred batches can show a 99th percentile, one
+  hiccup among them may not raise it more than `MAX_MOVE`-fold over the last one read.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ SHIFT_RUN = 3
 """Batches in a row beyond the high quantile, or below its mirror (mean / factor), that mean
 the machine has changed (by chance, rarer than one in a million batches)."""
 TAIL_QUANTILE = 0.99
+TAIL_SAMPLES = 100
+"""Recent batches it takes to read their 99th percentile. Fewer (after a start, or after a
+shift restarts the window) have only their largest to show, which one hiccup can set: a
+150 ms page fault among 0.3 ms batches made every promise 150 ms long. Until there are
+enough, the tail may rise at most `MAX_MOVE`-fold above the last one read (`Fit.tail`)."""
 FEW_RECENT = 16
 """With fewer recent batches than this, the spread is not allowed to fall below the last."""
 LONGEST = 8
@@ -85,6 +91,9 @@ class Fit:
     cost_factor: float = 1.0
     overruns: tuple[float, ...] = ()
     """The `LONGEST` largest of wall time minus `mean` over the recent batches, ascending."""
+    tail: float = 1.0
+    """The recent stretches' 99th percentile over their median, as last read from at least
+    `TAIL_SAMPLES` batches."""
 
     def mean(self, rows: int) -> float:
         return self.intercept_s + self.slope_s * rows
@@ -245,11 +254,15 @@ def fit_samples(snapshot: Snapshot) -> Fit:
         curve = np.maximum(intercept + slope * recent, 1e-9)
         stretches = np.asarray(snapshot.recent_wall_s, dtype=float) * 1000.0 / curve
         stretch, spread = _stretch(stretches, snapshot.half_life, snapshot.previous)
-        tail = _quantile(stretches, TAIL_QUANTILE) / stretch
+        tail = read = _quantile(stretches, TAIL_QUANTILE) / stretch
+        if stretches.size <= TAIL_SAMPLES:
+            read = snapshot.previous.tail
+            tail = min(tail, read * MAX_MOVE)
         overrun = (stretches - stretch) * curve / 1000.0
         overruns = tuple(float(x) for x in np.sort(overrun)[-LONGEST:])
     else:
         stretch, spread, tail = snapshot.previous.stretch, cost_spread, 1.0
+        read = snapshot.previous.tail
         overruns = snapshot.previous.overruns
     spread = max(spread, snapshot.min_spread)
     return Fit(
@@ -261,6 +274,7 @@ def fit_samples(snapshot: Snapshot) -> Fit:
         stretch=stretch,
         cost_factor=1.0 + snapshot.quantile_k * cost_spread,
         overruns=overruns,
+        tail=read,
     )
 
 
