@@ -153,12 +153,16 @@ class AdaptivePolicy:
         self._fresh_rows = 0
         self._shifted = False
         self._pending_since: float | None = None
-        # How long the model stands idle between two batches run back to back: the loop has
-        # to see one end and the model thread to pick up the next. No batch's own time shows
-        # it, yet a request waits one per batch ahead; on cores shared with busy API workers
-        # it is milliseconds.
+        # How long the model stands idle before a batch: between two run back to back the
+        # loop has to see one end and the model thread to pick up the next; after a release
+        # from idle, the model thread has to wake. No batch's own time shows it, yet a request
+        # waits one per batch ahead; on cores shared with busy API workers it is
+        # milliseconds. Every batch measures it, so it heals with the machine even while
+        # refusals leave no batch run back to back (a 70 ms p99 from a busy spell once stood
+        # for seconds and refused most requests).
         self._gaps = RecentQuantile(window=256, every=16, quantile=0.99)
-        self._last_finished: float | None = None
+        self._released = 0.0  # when the running batch was handed out
+        self._last_finished = 0.0  # when the last batch ended
         self._just_completed = False  # the next poll follows a batch's end
         self._chained = False  # the running batch went out at once after the one before
         self._use(Fit())
@@ -201,8 +205,8 @@ class AdaptivePolicy:
         self, batch: Batch, started: float, finished: float, cpu_s: float | None = None
     ) -> None:
         self._running = None
-        if self._chained and self._last_finished is not None:
-            self._gaps.add(max(0.0, started - self._last_finished))
+        after = self._last_finished if self._chained else self._released
+        self._gaps.add(max(0.0, started - after))
         self._last_finished, self._just_completed = finished, True
         elapsed = finished - started
         rows = batch.rows
@@ -314,8 +318,9 @@ class AdaptivePolicy:
             others_s, others = self._other_groups(group, sums)
             ahead, batches = ahead + others_s, batches + others
         gaps = self._gaps
-        # One gap before every batch still to start, the worst of them at its high quantile.
-        ahead += batches * gaps.mean + (gaps.high - gaps.mean)
+        # One gap before every batch still to start; the worst of them at its high quantile
+        # is part of the reserve's tail.
+        ahead += batches * gaps.mean
         rate = max(self._admitted_rate.rate(now), self._admitted_now.rate(now))
         if now >= self._stalled_at:
             # A stall refuses what arrives early in it, so the admitted rate falls to nothing;
@@ -342,11 +347,16 @@ class AdaptivePolicy:
         return seconds, count
 
     def _reserve(self, sums: _Sums) -> float:
-        """The high-quantile reserve over batches with these means.
+        """The high-quantile reserve over batches with these means, and over the wait for the
+        model before one of them running to its high quantile.
 
         Noise within the normal spread is independent from batch to batch and adds in
         quadrature. The heavy tail beyond it (contention, measured as the stretches' own 99th
         percentile) adds as a `TAIL_INDEX`-norm: nearer the largest batch's than quadrature's.
+        A long wait for the model is the same contention seen between batches, and joins
+        that norm: adding it whole to the batches' tail counted two rare delays as one that
+        always comes, and on cores a busy neighbour took (a 50 ms wait and 20-fold batches at
+        p99) promised past the limit and refused most requests.
 
         The normal part is taken at `promise_k` spreads rather than the model's `k` (which
         keeps `Fit.high` the honest p99 of one batch, and the shift band): the
@@ -359,7 +369,11 @@ class AdaptivePolicy:
         normal = min(self._margin, k * self._fit.spread)
         tail = self._margin - normal
         normal_part = self.tuning.promise_k / k * normal * math.sqrt(sums.squares)
-        return normal_part + tail * sums.tail_norm()
+        tail_part = tail * sums.tail_norm()
+        gap_s = self._gaps.high - self._gaps.mean
+        if gap_s > 0.0:
+            tail_part = (tail_part**TAIL_INDEX + gap_s**TAIL_INDEX) ** (1.0 / TAIL_INDEX)
+        return normal_part + tail_part
 
     def _next_start(self, now: float) -> tuple[float, float]:
         """When the next batch is expected to start, and the mean time of the running batch
@@ -374,11 +388,11 @@ class AdaptivePolicy:
             return now + self.window_s, 0.0
         if now >= self._stalled_at:
             mean_s = self._running_mean_s
-            began = self._done_mean - mean_s
             overrun = now - self._done_mean
             longer = [seconds for seconds in self._fit.overruns if seconds > overrun]
             if longer:
                 return self._done_mean + sum(longer) / len(longer), mean_s
+            began = self._done_mean - mean_s
             return now + (now - began) / (TAIL_INDEX - 1.0), mean_s
         start = self._done_mean if self._done_mean > now else now
         return start, self._running_mean_s
@@ -402,7 +416,7 @@ class AdaptivePolicy:
         batch_s = self._mean_intercept_s + self._mean_slope_s * rows
         sums = _Sums(running_s)
         sums.add(batch_s)
-        finish = start + self._gaps.high + batch_s + self._reserve(sums)
+        finish = start + self._gaps.mean + batch_s + self._reserve(sums)
         earliest = min((queued.deadline for queued in self._queue), default=math.inf)
         if finish > min(earliest, request.deadline):
             return False
@@ -520,7 +534,7 @@ class AdaptivePolicy:
         if not taken:
             return None, tuple(dropped)
         batch = Batch(tuple(taken), reason, self._fit.high(rows))
-        self._running = batch
+        self._running, self._released = batch, now
         self._running_mean_s = intercept + slope * rows
         self._done_mean = now + self._running_mean_s
         self._stalled_at = now + self.tuning.stall_after * batch.predicted_s
