@@ -70,8 +70,11 @@ def client_loop(url: str, seed: int, seconds: float, tally: Tally) -> None:
         client.close()
 
 
-def closed_loop(server: Server, clients: int, seconds: float) -> tuple[Tally, dict[str, float]]:
-    """Run ``clients`` closed-loop threads; return their tally and the server's own counts."""
+def closed_loop(
+    server: Server, clients: int, seconds: float
+) -> tuple[Tally, dict[str, float], dict[str, float]]:
+    """Run ``clients`` closed-loop threads; return their tally, the server's own counts by
+    status, and its 503s by reason."""
     tally = Tally()
     url = server.url.removeprefix("http://")
     threads = [
@@ -84,7 +87,8 @@ def closed_loop(server: Server, clients: int, seconds: float) -> tuple[Tally, di
     for thread in threads:
         thread.join(seconds + 30)
     assert not any(t.is_alive() for t in threads), "a client hung past its network timeout"
-    return tally, settled_counts(server, before, sum(tally.statuses.values()))
+    counts = settled_counts(server, before, sum(tally.statuses.values()))
+    return tally, counts, refusal_reasons(before, fetch(server.url))
 
 
 def settled_counts(server: Server, before: Scrape, answers: int) -> dict[str, float]:
@@ -104,6 +108,15 @@ def settled_counts(server: Server, before: Scrape, answers: int) -> dict[str, fl
         time.sleep(0.05)
 
 
+def refusal_reasons(before: Scrape, after: Scrape) -> dict[str, float]:
+    """The 503s the server answered for `mlp` between two readings, by why (the reason says
+    which part refused: the runner's policy, the front's shedding, a runner out of reach)."""
+    name = "batchserve_unavailable_total"
+    found = delta(before.by_label(name, "reason", runner="mlp"),
+                  after.by_label(name, "reason", runner="mlp"))
+    return {reason: count for reason, count in found.items() if count}
+
+
 def server_counts(before: Scrape, after: Scrape) -> dict[str, float]:
     """Answers the server counted for `mlp` between two readings, by status code."""
     name = "batchserve_requests_total"
@@ -114,11 +127,12 @@ def server_counts(before: Scrape, after: Scrape) -> dict[str, float]:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("clients", [8, 32, 64])
 def test_closed_loop_clients_are_never_refused(bundled: Server, clients: int) -> None:
-    tally, on_server = closed_loop(bundled, clients, SECONDS)
+    tally, on_server, reasons = closed_loop(bundled, clients, SECONDS)
     answers = sum(tally.statuses.values())
-    assert answers >= clients * 10, tally.summary()  # each client got well past its first
-    assert tally.statuses == {200: answers}, tally.summary()
-    assert on_server == {"200": answers}, (on_server, tally.summary())
+    why = f"{tally.summary()}; 503s by reason {reasons}; server log: {''.join(bundled.log[-20:])}"
+    assert answers >= clients * 10, why  # each client got well past its first
+    assert tally.statuses == {200: answers}, why
+    assert on_server == {"200": answers}, (on_server, why)
 
 
 TIGHT = (ROOT / "configuration.yml").read_text().replace("max_latency_ms: 100", "max_latency_ms: 3")
@@ -128,7 +142,9 @@ TIGHT = (ROOT / "configuration.yml").read_text().replace("max_latency_ms: 100", 
 def test_the_closed_loop_counts_every_refusal(serve: object) -> None:
     """On a limit the MLP cannot meet under load, the refusals are counted one by one."""
     server: Server = serve(TIGHT)  # type: ignore[operator]
-    tally, on_server = closed_loop(server, 32, 2.0)
+    tally, on_server, reasons = closed_loop(server, 32, 2.0)
+    assert sum(reasons.values()) == tally.statuses[503], (reasons, tally.summary())
+    assert reasons["refused"] > 0, reasons  # the runner's own policy refuses, early
     assert tally.statuses[503] > 0, tally.summary()
     assert set(tally.statuses) == {200, 503}, tally.summary()
     assert on_server == {str(k): v for k, v in tally.statuses.items()}, tally.summary()
