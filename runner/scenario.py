@@ -82,7 +82,8 @@ class Cost:
     tail: Tail | None = None
     stalls: Stalls | None = None
 
-    def mean_s(self, rows: int) -> float:
+    def mean_s(self, rows: float) -> float:
+        """The mean batch time in seconds; `rows` may be fractional (an expected count)."""
         return (self.intercept_ms + self.per_item_ms * rows) / 1000.0
 
     @property

@@ -1,0 +1,212 @@
+"""How much goodput one rule that refuses at arrival reaches on a scenario when it knows the
+true cost: the point-6 targets set against a frontier, not only against the adaptive policy.
+
+    python -m benchmarks.at_arrival_bound [SCENARIO ...] [--reserves 0,0.5,1,2,3] [--seed N]
+
+The refusal-wait target (p99 within 10% of the limit) leaves a policy on a tight limit no time
+to wait for the batch running when a request arrives: it must decide at once. `KnownLinePolicy`
+decides at arrival like the adaptive policy, but knows what no live policy can: the scenario's
+true cost line and noise, so nothing is lost to estimation. It does not know the future
+arrivals or how long the running batch will really take. Its goodput against its lateness, as
+the reserve (in sigmas of the known noise) shrinks, is a frontier for this way of deciding;
+the same run without noise shows what not knowing the future arrivals alone costs.
+
+Only scenarios whose cost is a plain line with lognormal noise qualify (no replay, contention,
+tail or stalls): for those the truth is known in closed form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import math
+import sys
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
+
+from batchserve.runner.latency_model import RateEstimator
+from batchserve.runner.policy import Batch, PolicyStats, Request, Step, WithoutModel
+from batchserve.runner.scenario import Cost, Scenario, load_scenario
+from batchserve.runner.simulate import Result, simulate
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+DEFAULT_SCENARIOS = ("tight_12ms", "tight_slo", "bursts")
+RESERVES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0)
+RATE_TAU_S = 0.1
+LATE_FLOOR = 0.001
+
+
+class KnownLinePolicy(WithoutModel):
+    """Refuse at arrival, FIFO, on the scenario's true cost line and noise.
+
+    - releases everything queued (up to the cap) as soon as the model is free: on a tight
+      limit no hold pays;
+    - admits a request if its batch (the queued rows, its own, and the rows expected to join
+      at the admitted rate until that batch starts) ends by its deadline at `reserve` sigmas
+      over the running batch and its own, and if the batch as it stands now, with its rows,
+      still ends by the earliest deadline in it: so joiners never make an earlier promise late.
+    """
+
+    def __init__(self, scenario: Scenario, reserve: float) -> None:
+        self.cap = scenario.max_batch_size
+        self.reserve = reserve
+        self._ends = list(_cumulative(phase.seconds for phase in scenario.phases))
+        self._costs = [phase.cost for phase in scenario.phases]
+        for cost in self._costs:
+            if cost.inflated:
+                raise ValueError(f"scenario {scenario.name} has replayed or inflated batch times; "
+                                 "the bound needs a plain cost line with lognormal noise")
+        self._queue: deque[Request] = deque()
+        self._queued_rows = 0
+        self._running_end: float | None = None
+        self._running_s = 0.0
+        self._admitted = RateEstimator(RATE_TAU_S)
+
+    def _cost(self, now: float) -> Cost:
+        index = bisect.bisect_right(self._ends, now)
+        return self._costs[min(index, len(self._costs) - 1)]
+
+    def offer(self, request: Request, now: float) -> bool:
+        if self._running_end is None and not self._queue:
+            return self._admit(request, now)
+        cost = self._cost(now)
+        start = now if self._running_end is None else max(self._running_end, now)
+        ahead, members = self._batches_ahead(request)
+        squares = self._running_s**2
+        for rows_ahead in ahead:
+            batch_s = cost.mean_s(rows_ahead)
+            start += batch_s
+            squares += batch_s**2
+        rows = sum(member.rows for member in members) + request.rows
+        joining = self._admitted.rate(now) * (start - now)
+        own_s = cost.mean_s(min(self.cap, rows + joining))
+        if start + own_s + self.reserve * cost.noise * math.sqrt(squares + own_s**2) > \
+                request.deadline:
+            return False
+        if members:
+            now_s = cost.mean_s(rows)
+            earliest = min(member.deadline for member in members)
+            if start + now_s + self.reserve * cost.noise * math.sqrt(squares + now_s**2) > \
+                    earliest:
+                return False
+        return self._admit(request, now)
+
+    def _batches_ahead(self, request: Request) -> tuple[list[int], list[Request]]:
+        """The rows of each batch the queue makes before the one `request` would join, and
+        that batch's queued members: the batches `poll` will release, FIFO up to the cap."""
+        ahead: list[int] = []
+        members: list[Request] = []
+        rows = 0
+        for queued in self._queue:
+            if members and rows + queued.rows > self.cap:
+                ahead.append(rows)
+                members, rows = [], 0
+            members.append(queued)
+            rows += queued.rows
+        if members and rows + request.rows > self.cap:
+            ahead.append(rows)
+            members = []
+        return ahead, members
+
+    def _admit(self, request: Request, now: float) -> bool:
+        self._admitted.add(now, request.rows)
+        self._queue.append(request)
+        self._queued_rows += request.rows
+        return True
+
+    def poll(self, now: float) -> Step:
+        if self._running_end is not None or not self._queue:
+            return Step()
+        taken: list[Request] = []
+        rows = 0
+        while self._queue and rows + self._queue[0].rows <= self.cap:
+            request = self._queue.popleft()
+            taken.append(request)
+            rows += request.rows
+        self._queued_rows -= rows
+        self._running_s = self._cost(now).mean_s(rows)
+        self._running_end = now + self._running_s
+        return Step(batch=Batch(tuple(taken), "idle"))
+
+    def complete(
+        self, batch: Batch, started: float, finished: float, cpu_s: float | None = None
+    ) -> None:
+        self._running_end = None
+        self._running_s = 0.0
+
+    def stats(self, now: float) -> PolicyStats:
+        return PolicyStats(window_s=0.0, cap=self.cap, intercept_s=0.0, slope_s=0.0,
+                           p99_batch_s=0.0, arrival_rps=0.0, queued=len(self._queue))
+
+
+def _cumulative(values: Iterable[float]) -> list[float]:
+    total, out = 0.0, []
+    for value in values:
+        total += value
+        out.append(total)
+    return out
+
+
+def without_noise(scenario: Scenario) -> Scenario:
+    """The same scenario with every batch taking exactly its mean."""
+    phases = tuple(replace(phase, cost=replace(phase.cost, noise=0.0)) for phase in scenario.phases)
+    return replace(scenario, name=f"{scenario.name} (no noise)", phases=phases)
+
+
+def _late(run: Result) -> float:
+    return run.late / run.requests if run.requests else 0.0
+
+
+def _row(label: str, run: Result, bento: Result) -> str:
+    ratio = run.goodput_rps / bento.goodput_rps if bento.goodput_rps else 1.0
+    false = run.false_rejections / run.requests if run.requests else 0.0
+    return (f"| {label} | {run.goodput_rps:.1f} | {ratio:.3f} | {100 * _late(run):.3f} | "
+            f"{100 * false:.2f} |")
+
+
+def frontier(scenario: Scenario, reserves: tuple[float, ...], seed: int) -> list[str]:
+    """A markdown table: BentoML, adaptive, and the known-line policy at each reserve, with
+    the best goodput the bound reaches within each late bound of point 6."""
+    bento = simulate(scenario, "bentoml", seed=seed)
+    adaptive = simulate(scenario, "adaptive", seed=seed)
+    runs = [(r, simulate(scenario, "known-line", seed=seed, policy=KnownLinePolicy(scenario, r)))
+            for r in reserves]
+    out = [f"{scenario.name}, seed {seed}:", "",
+           "| policy | goodput req/s | of BentoML's | late % | false refusals % |",
+           "|---|---|---|---|---|",
+           _row("BentoML", bento, bento), _row("adaptive", adaptive, bento)]
+    out += [_row(f"known line, reserve {r:g} sigma", run, bento) for r, run in runs]
+    for bound_name, bound in (("0.1%", LATE_FLOOR), ("BentoML's", max(LATE_FLOOR, _late(bento)))):
+        within = [run.goodput_rps for _, run in runs if _late(run) <= bound]
+        best = max(within, default=0.0)
+        out.append(f"\nbest known-line goodput with late <= {bound_name} ({100 * bound:.3f}%): "
+                   f"{best:.1f} req/s, {best / bento.goodput_rps:.3f} of BentoML's")
+    return out + [""]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.at_arrival_bound",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("scenarios", nargs="*", default=list(DEFAULT_SCENARIOS),
+                        help="names in benchmarks/scenarios/ or paths to scenario YAML files")
+    parser.add_argument("--reserves", default=",".join(f"{r:g}" for r in RESERVES),
+                        help="reserves in sigmas of the known noise, comma-separated")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    reserves = tuple(float(part) for part in args.reserves.split(","))
+    for name in args.scenarios:
+        path = Path(name) if name.endswith((".yml", ".yaml")) else SCENARIOS / f"{name}.yml"
+        scenario = load_scenario(path)
+        try:
+            for variant in (scenario, without_noise(scenario)):
+                print("\n".join(frontier(variant, reserves, args.seed)))
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

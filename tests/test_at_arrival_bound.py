@@ -1,0 +1,58 @@
+"""The known-line policy behind `benchmarks.at_arrival_bound`: a frontier is only worth
+quoting if the policy drawing it keeps its promises when it knows everything it assumes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from batchserve.runner.scenario import Scenario, load_scenario
+from batchserve.runner.simulate import simulate
+from benchmarks.at_arrival_bound import KnownLinePolicy, frontier, main, without_noise
+
+SCENARIOS = Path(__file__).parent.parent / "benchmarks" / "scenarios"
+
+
+def _short(name: str, seconds: float = 5.0) -> Scenario:
+    """The scenario's busiest (last) phase alone, for `seconds`."""
+    scenario = load_scenario(SCENARIOS / f"{name}.yml")
+    return replace(scenario, phases=(replace(scenario.phases[-1], seconds=seconds),))
+
+
+@pytest.mark.parametrize("name", ["tight_12ms", "tight_slo"])
+def test_without_noise_a_known_line_promise_is_never_broken(name: str) -> None:
+    # Joiners beyond the expected ones would make an earlier request late if admission did
+    # not check the batch as it stands against its earliest deadline.
+    scenario = without_noise(_short(name))
+    run = simulate(scenario, "known-line", policy=KnownLinePolicy(scenario, 0.0))
+    assert run.requests > 1000
+    assert run.ok + run.rejected == run.requests
+    assert run.rejected > 0  # the load is beyond what the limit lets it serve
+    assert run.late == 0
+
+
+def test_a_larger_reserve_trades_goodput_for_lateness() -> None:
+    scenario = _short("tight_12ms", 20.0)
+    bold, careful = (simulate(scenario, "known-line", policy=KnownLinePolicy(scenario, r))
+                     for r in (0.0, 3.0))
+    assert careful.late < bold.late
+    assert careful.goodput_rps < bold.goodput_rps
+
+
+def test_a_cost_with_inflated_batch_times_is_refused_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(ValueError, match="stalls has replayed or inflated batch times"):
+        KnownLinePolicy(load_scenario(SCENARIOS / "stalls.yml"), 1.0)
+    assert main(["stalls"]) == 2
+    assert "plain cost line" in capsys.readouterr().err
+
+
+def test_the_table_names_the_best_goodput_within_each_late_bound() -> None:
+    lines = frontier(_short("tight_12ms"), (0.0, 2.0), seed=1)
+    assert lines[0] == "tight_12ms, seed 1:"
+    assert sum(line.startswith("| known line, reserve") for line in lines) == 2
+    assert any("with late <= 0.1% (0.100%)" in line for line in lines)
+    assert any("with late <= BentoML's" in line for line in lines)
