@@ -51,7 +51,7 @@ from batchserve.api.errors import (
     Unavailable,
     error_response,
 )
-from batchserve.api.overload import Shedder, watch
+from batchserve.api.overload import LAG_FLOOR_S, Shedder, watch
 from batchserve.api.reserve import Reserve
 from batchserve.runner.config import Config, RunnerConfig
 from batchserve.runner.metrics import SECONDS_BUCKETS, registry
@@ -129,7 +129,9 @@ class Service:
                        choice=runner.choice)
             for name, runner in config.runners.items()
         }
-        self.shedder = Shedder()
+        # The loop serves every runner, so it must keep up with the tightest limit.
+        tightest_s = min(r.batching.max_latency_ms for r in config.runners.values()) / 1000
+        self.shedder = Shedder(target_s=max(LAG_FLOOR_S, tightest_s / 10))
         self.inflight = 0  # requests accepted and not yet answered
         self.stopping = False
         self.waiting = dict.fromkeys(config.runners, 0)  # calls out to each runner

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 
 PERIOD_S = 0.01
 """How often a worker measures its loop's lag: 100 wake-ups a second, ~0.3% of a core."""
+LAG_FLOOR_S = 0.010
+"""The least lag that counts as falling behind, whatever the limits: below it, a loop on
+shared cores is only waiting its turn for the scheduler."""
 
 
 @dataclass(slots=True)
@@ -30,7 +33,8 @@ class Shedder:
     """The share of new requests to turn away, driven by the measured loop lag.
 
     It acts on a standing backlog, not on a busy moment: only while even the smallest lag of
-    the last `window` ticks (100 ms) is over the target (a tenth of a 100 ms limit) does the
+    the last `window` ticks (100 ms) is over the target (a tenth of the tightest runner's
+    limit, and at least `LAG_FLOOR_S`: 10 ms is no backlog to a 30 s limit) does the
     share climb, by `step_up` a tick (from nothing to half the traffic in another 100 ms); on a
     timely tick it falls by `step_down` (half a second from half to nothing). A loop that is
     busy in bursts but catches up between them, as under closed-loop clients whose requests

@@ -88,6 +88,31 @@ async def test_a_shedding_worker_answers_503_with_retry_after_before_reading_the
     assert app.service.inflight == 0
 
 
+def limits(*max_latency_ms: float) -> str:
+    """A configuration of one `mlp` runner per limit."""
+    return "runners:\n" + "".join(
+        f"""  mlp{i}:
+    model: batchserve.runner.bundled:mlp
+    batching: {{max_latency_ms: {limit}}}
+    inputs: [{{name: x, datatype: FP32, shape: [-1, 256]}}]
+    outputs: [{{name: y, datatype: FP32, shape: [-1, 16]}}]
+"""
+        for i, limit in enumerate(max_latency_ms)
+    )
+
+
+@pytest.mark.parametrize(("max_latency_ms", "target_s"), [
+    ((100, 30000), 0.010),  # the loop must keep up with the tightest runner
+    ((30000,), 3.0),  # a 10 ms lag is no backlog to a 30 s limit: nothing to shed for
+    ((20, 500), 0.010),  # below 10 ms a lag on shared cores is the scheduler's turn
+])
+def test_the_lag_target_is_a_tenth_of_the_tightest_limit_and_at_least_10_ms(
+    max_latency_ms: tuple[float, ...], target_s: float
+) -> None:
+    config = parse(__import__("yaml").safe_load(limits(*max_latency_ms)))
+    assert create_app(config, {}).service.shedder.target_s == pytest.approx(target_s)
+
+
 SLOW_TWO = """
 api: {{workers: 1, max_inflight: {limit}}}
 runners:
