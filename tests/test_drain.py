@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shutil
 import signal
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -58,6 +58,19 @@ def in_flight(server: Server, runner: str = "gated") -> float:
     return sample(get(server, "/metrics").text, "batchserve_inflight_requests", runner=runner)
 
 
+def wait_until_held(server: Server, held: list[Future[httpx.Response]]) -> None:
+    """Wait until every request is in flight; one answered already fails at once, naming
+    its answer and the server's log, since nothing else would say why it never got held."""
+    def all_held() -> bool:
+        early = [future.result() for future in held if future.done()]
+        assert not early, (
+            [(answer.status_code, answer.text) for answer in early], server.log[-30:]
+        )
+        return in_flight(server) == len(held)
+
+    wait_for(all_held, 30, "every request in flight")
+
+
 def stopped_with(server: Server, pid: int) -> str | None:
     """The exit status the supervisor logged for child `pid`."""
     marker = f"(pid {pid}) stopped with exit status "
@@ -86,7 +99,7 @@ def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits_0(
     assert get(server, "/v2/health/ready").status_code == 200
     with ThreadPoolExecutor(HELD) as pool:
         held = [pool.submit(infer, server) for _ in range(HELD)]
-        wait_for(lambda: in_flight(server) == HELD, 30, "every request in flight")
+        wait_until_held(server, held)
         server.process.send_signal(signal.SIGTERM)
         wait_for(lambda: get(server, "/v2/health/ready").status_code == 503, 10,
                  "readiness to turn 503")
@@ -119,7 +132,7 @@ def test_requests_still_held_when_the_grace_period_ends_get_503_and_all_exit_0(
     children = server.children()
     with ThreadPoolExecutor(HELD) as pool:
         held = [pool.submit(infer, server) for _ in range(HELD)]
-        wait_for(lambda: in_flight(server) == HELD, 30, "every request in flight")
+        wait_until_held(server, held)
         server.process.send_signal(signal.SIGTERM)  # and the gate stays shut: a stuck model
         answers = [future.result(timeout=30) for future in held]
     assert [answer.status_code for answer in answers] == [503] * HELD
