@@ -5,10 +5,12 @@ worker starts. A runner whose configuration lists `addresses` runs elsewhere (`b
 runner`) and is not started here: the API workers connect to those addresses, and start-up
 waits for the workers' liveness instead of readiness, since a runner on another host may come
 later (until it does, its requests get 503). `--api-only` asserts that every runner is such.
-The API socket is bound once here and shared with every worker. Signal
-handlers only note the signal; the main loop acts on it. A child that dies is replaced;
-its in-flight requests were already answered 503 by the API worker that lost the
-connection. Every duration comes from the configuration's `timeouts`.
+The API socket is bound once here and shared with every worker; the server is ready once
+every worker has reported serving on a pipe (before that a worker has no drain to run, and a
+stop signal kills it) and the port answers. Signal handlers only note the signal; the main
+loop acts on it. A child that dies is replaced; its in-flight requests were already answered
+503 by the API worker that lost the connection. Every duration comes from the
+configuration's `timeouts`.
 
 Shutdown goes in order, so no request is dropped: the API workers first (they answer new
 requests 503 and finish those they hold, which the runners are still serving), then the port
@@ -75,6 +77,8 @@ class Child:
     died: float | None = None
     answered: bool = False  # answered a ping since it was last started
     unanswered: int = 0  # pings in a row it has not answered since
+    reports_ready: bool = False  # writes a byte to a pipe (`--ready-fd`) once serving
+    _ready: int | None = None  # that pipe's read end, until the byte came
 
     def due(self, now: float, timeouts: Timeouts) -> bool:
         """Whether this dead child may start again: at once after a long life, and with a
@@ -88,11 +92,41 @@ class Child:
     def start(self) -> None:
         self.died = None
         self.answered, self.unanswered = False, 0
-        self.process = subprocess.Popen(
-            self.command, env=self.env, pass_fds=self.pass_fds, start_new_session=True,
-            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-        )
+        command, pass_fds, write = self.command, self.pass_fds, None
+        if self.reports_ready:
+            self._close_ready()
+            self._ready, write = os.pipe()
+            os.set_blocking(self._ready, False)
+            command, pass_fds = [*command, "--ready-fd", str(write)], (*pass_fds, write)
+        try:
+            self.process = subprocess.Popen(
+                command, env=self.env, pass_fds=pass_fds, start_new_session=True,
+                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+            )
+        finally:
+            if write is not None:
+                os.close(write)
         self.started = time.monotonic()
+
+    @property
+    def ready(self) -> bool:
+        """Whether it has reported serving since it was last started (always, for a child
+        that does not report)."""
+        if self._ready is None:
+            return True
+        try:
+            said = os.read(self._ready, 1)
+        except BlockingIOError:
+            return False
+        if not said:  # the pipe closed unwritten: it died starting
+            return False
+        self._close_ready()
+        return True
+
+    def _close_ready(self) -> None:
+        if self._ready is not None:
+            os.close(self._ready)
+            self._ready = None
 
     @property
     def alive(self) -> bool:
@@ -215,7 +249,7 @@ class Supervisor:
                 f"api worker {index}",
                 [sys.executable, "-m", "batchserve.api.worker", "--config", config_arg,
                  "--runners", orjson.dumps(addresses).decode(), "--fd", str(listener.fileno())],
-                self._environment(folder), pass_fds=(listener.fileno(),),
+                self._environment(folder), pass_fds=(listener.fileno(),), reports_ready=True,
             ))
         for child in self.apis:
             child.start()
@@ -264,7 +298,8 @@ class Supervisor:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         remote = any(runner.addresses for runner in self.config.runners.values())
         path = "/v2/health/live" if remote else "/v2/health/ready"
-        while not http_ready(host, self.port, self.timeouts.ping_timeout_s, path):
+        while not (all(child.ready for child in self.apis)
+                   and http_ready(host, self.port, self.timeouts.ping_timeout_s, path)):
             if self.signals:
                 raise StartupError("stopped by a signal while API workers were starting")
             if not all(child.alive for child in self.apis):

@@ -37,11 +37,23 @@ period; it fits in the second a process has after its drain (`timeouts.EXIT_MARG
 class DrainingServer(uvicorn.Server):
     """uvicorn that drains its app before it stops accepting (see the module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, app: App, drain_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, app: App, drain_s: float, ready_fd: int | None = None
+    ) -> None:
         super().__init__(config)
         self.app = app
         self.drain_s = drain_s
+        self.ready_fd = ready_fd
         self.deadline: float | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # Serving, and a stop signal now drains: until here it killed the process (exit -15),
+        # so the supervisor is ready only once every worker has said so.
+        if self.ready_fd is not None:
+            os.write(self.ready_fd, b"1")
+            os.close(self.ready_fd)
+            self.ready_fd = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Only note it, like uvicorn, but never re-raise it after the shutdown: a drained
@@ -75,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--runners", required=True, help='JSON {"runner": ["unix:/a.sock"]}')
     parser.add_argument("--fd", type=int, required=True, help="the bound listening socket")
+    parser.add_argument("--ready-fd", type=int, help="a pipe to write one byte to once serving")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = load(args.config)
@@ -98,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_keep_alive=timeouts.keep_alive_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=timeouts.drain_s,  # type: ignore[arg-type]
         proxy_headers=False,
-    ), app, timeouts.drain_s)
+    ), app, timeouts.drain_s, args.ready_fd)
     server.run(sockets=[listener])
     return 0
 
