@@ -81,6 +81,8 @@ class Tuning:
     """The longest hold for more rows, as a share of the latency limit ..."""
     hold_intercepts: float = 10.0
     """... and as a multiple of the batch intercept, whichever is shorter."""
+    tail_share: float = 0.5
+    """The most of a request's time left that the heavy tail's reserve may take."""
     stall_after: float = 3.0
     """A batch still running at this multiple of its predicted high quantile has stalled (a
     GC pause, a hung call, a descheduled thread): too far out for the contention tail, whose
@@ -282,11 +284,14 @@ class AdaptivePolicy:
         if self._running is None and not self._queue:
             self._probe = request.id
             return now + self._fit.cost(request.rows) <= request.deadline
-        if self.promised_finish(request.rows, now, request.group) <= request.deadline:
+        deadline = request.deadline
+        if self.promised_finish(request.rows, now, request.group, deadline) <= deadline:
             return True
         return self._stretch_next(request, now)
 
-    def promised_finish(self, rows: int, now: float, group: tuple[str, ...] = ()) -> float:
+    def promised_finish(
+        self, rows: int, now: float, group: tuple[str, ...] = (), deadline: float = math.inf
+    ) -> float:
         """Predicted (high-quantile) completion of `rows` of `group` joining the back of the
         queue now.
 
@@ -329,7 +334,7 @@ class AdaptivePolicy:
         joining = rate * (start + ahead - now)
         own_s = intercept_s + slope_s * min(room, rest + joining)
         sums.add(own_s)
-        return start + ahead + own_s + self._reserve(sums)
+        return start + ahead + own_s + self._reserve(sums, deadline - now)
 
     def _other_groups(self, group: tuple[str, ...], sums: _Sums) -> tuple[float, int]:
         """The mean time and count of the batches other groups' queued rows make (each
@@ -346,7 +351,7 @@ class AdaptivePolicy:
             count += batches
         return seconds, count
 
-    def _reserve(self, sums: _Sums) -> float:
+    def _reserve(self, sums: _Sums, budget_s: float = math.inf) -> float:
         """The high-quantile reserve over batches with these means, and over the wait for the
         model before one of them running to its high quantile.
 
@@ -373,7 +378,7 @@ class AdaptivePolicy:
         gap_s = self._gaps.high - self._gaps.mean
         if gap_s > 0.0:
             tail_part = (tail_part**TAIL_INDEX + gap_s**TAIL_INDEX) ** (1.0 / TAIL_INDEX)
-        return normal_part + tail_part
+        return normal_part + min(tail_part, self.tuning.tail_share * budget_s)
 
     def _next_start(self, now: float) -> tuple[float, float]:
         """When the next batch is expected to start, and the mean time of the running batch
@@ -416,7 +421,7 @@ class AdaptivePolicy:
         batch_s = self._mean_intercept_s + self._mean_slope_s * rows
         sums = _Sums(running_s)
         sums.add(batch_s)
-        finish = start + self._gaps.mean + batch_s + self._reserve(sums)
+        finish = start + self._gaps.mean + batch_s + self._reserve(sums, request.deadline - now)
         earliest = min((queued.deadline for queued in self._queue), default=math.inf)
         if finish > min(earliest, request.deadline):
             return False
