@@ -56,13 +56,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def install(peers: Sequence[Peer]) -> None:
-    """Each peer in its own venv, with torch pinned on the same command line as the peer."""
+    """Each peer in its own venv, with torch pinned on the same command line as the peer, and
+    numpy, which the bundled model's module imports (torch no longer pulls it in)."""
     for peer in peers:
         venv = VENVS / peer.name
         if not peer.own_venv or (venv / "bin" / "python").exists():
             continue
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(venv / "bin" / "pip"), "install", *peer.packages, "torch==2.13.0"]
+        pip = [str(venv / "bin" / "pip"), "install", *peer.packages, "torch==2.13.0", "numpy"]
         subprocess.run(pip, check=True)
 
 
