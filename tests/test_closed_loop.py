@@ -87,12 +87,12 @@ def closed_loop(
     for thread in threads:
         thread.join(seconds + 30)
     assert not any(t.is_alive() for t in threads), "a client hung past its network timeout"
-    counts = settled_counts(server, before, sum(tally.statuses.values()))
-    return tally, counts, refusal_reasons(before, fetch(server.url))
+    after = settled(server, before, sum(tally.statuses.values()))
+    return tally, server_counts(before, after), refusal_reasons(before, after)
 
 
-def settled_counts(server: Server, before: Scrape, answers: int) -> dict[str, float]:
-    """The server's counts once they cover ``answers`` (or after 5 s).
+def settled(server: Server, before: Scrape, answers: int) -> Scrape:
+    """The first reading whose counts cover ``answers`` (or the one after 5 s).
 
     A worker counts an answer just after sending it, so the last few may not be in the
     first reading after the clients stop.
@@ -100,11 +100,11 @@ def settled_counts(server: Server, before: Scrape, answers: int) -> dict[str, fl
     deadline = time.monotonic() + 5.0
     while True:
         try:
-            counts = server_counts(before, fetch(server.url))
+            after = fetch(server.url)
         except OSError as error:
             raise AssertionError("".join(server.log[-20:])) from error
-        if sum(counts.values()) >= answers or time.monotonic() > deadline:
-            return counts
+        if sum(server_counts(before, after).values()) >= answers or time.monotonic() > deadline:
+            return after
         time.sleep(0.05)
 
 
