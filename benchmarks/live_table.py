@@ -10,6 +10,8 @@ predicted batch time), the mean batch size, and the server's CPU per request.
 
     python -m benchmarks.live_table [--rates 100,400,800,1600,2400] [--seconds 10] [--json F]
 
+``--busy N`` runs it all beside N CPU-bound processes (`benchmarks.busy`): a busy machine.
+
 Run it from the repository root; on a shared machine under the bench lock
 (``flock /tmp/batchserve-bench.lock python -m benchmarks.live_table``).
 """
@@ -29,6 +31,7 @@ import orjson
 
 from batchserve.api.loadgen import loop_factory
 from batchserve.api.scrape import Scrape, bucket_delta, delta, fetch, histogram_quantile
+from benchmarks.busy import beside, busy
 from benchmarks.live_clients import Client, OwnClient, RunResult, SharedClient
 from benchmarks.live_report import Row, Window, markdown, overload_markdown, summary
 from benchmarks.load import cpu_between, serve, tree_cpu
@@ -144,6 +147,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--shared-loadgen", type=Path, default=ROOT.parent / "shared/tools/loadgen.py")
     p.add_argument("--shared-python", default=sys.executable, help="interpreter for it")
     p.add_argument("--ready-timeout", type=float, default=180.0)
+    p.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside")
     p.add_argument("--json", type=Path, help="write every figure to this file")
     p.add_argument("--readme", type=Path, help="also put the tables into this file, between "
                    f"the lines {README_START!r} and {README_END!r}")
@@ -157,8 +161,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict[str, object]:
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    report: dict[str, object] = {"server_logs": str(args.logs), "rows": {}, "overload": []}
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+    report: dict[str, object] = {"server_logs": str(args.logs), "rows": {}, "overload": [],
+                                 "busy": args.busy}
+    with busy(args.busy), asyncio.Runner(loop_factory=loop_factory()) as runner:
         for client in clients(args, runner):
             rows = [row for rate in rates for row in rate_rows(client, args, rate)]
             report["rows"][client.name] = rows  # type: ignore[index]
@@ -188,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               summary(rows)]
     if report["overload"]:
         tables.append(overload_markdown(report["overload"]))  # type: ignore[arg-type]
+    if args.busy:
+        tables.insert(0, f"Measured{beside(args.busy)}.")
     text = "\n\n".join(tables)
     print(text)
     print(f"\nserver logs: {args.logs}")

@@ -2,6 +2,7 @@
 
     python -m benchmarks.peers --install          # each peer's own venv under .peers/ (once)
     flock /tmp/batchserve-bench.lock python -m benchmarks.peers --rounds 2
+    python -m benchmarks.peers --servers mosec,batchserve --busy 2 --out DIR --doc ''
 
 Writes ``docs/peers.json`` (every run), ``docs/peers.png`` and the tables between the markers
 of ``docs/benchmarks.md``. What is measured and how: ``docs/benchmarks.md``.
@@ -26,6 +27,7 @@ import orjson
 
 from batchserve.api.load_result import LoadResult
 from batchserve.api.loadgen import loop_factory
+from benchmarks.busy import beside, busy
 from benchmarks.peers import model_limit, report
 from benchmarks.peers.peer import FEATURES, ROOT, VENVS, Peer, make_shim
 from benchmarks.peers.servers import PEERS
@@ -50,6 +52,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "docs", help="folder of peers.json/png")
     p.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"),
                    help="markdown file whose peers markers receive the tables ('' for none)")
+    p.add_argument("--busy", type=int, default=0,
+                   help="CPU-bound processes to run beside the servers (not the model limit)")
     p.add_argument("--install", action="store_true", help="create missing venvs, then exit")
     p.add_argument("--from-json", type=Path, help="render a saved peers.json again, no runs")
     return p.parse_args(argv)
@@ -97,7 +101,7 @@ def measure(args: argparse.Namespace, peers: Sequence[Peer]) -> dict[str, object
     settings = Settings(args.seconds, args.warmup_rate, args.warmup_seconds, args.drain, logs)
     failures: dict[str, str] = {}
     began = time.monotonic()
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+    with busy(args.busy), asyncio.Runner(loop_factory=loop_factory()) as runner:
         runs = rounds(runner, peers, row, expected, lambda p: grid, args.rounds, settings,
                       failures)
         extra = {p.name: [r for r in report.overload_rates(report.best_rate(runs, p.name, grid))
@@ -107,7 +111,7 @@ def measure(args: argparse.Namespace, peers: Sequence[Peer]) -> dict[str, object
                        settings, failures)
     return {"machine": machine(), "grid": grid, "rounds": args.rounds, "seconds": args.seconds,
             "warmup": [args.warmup_rate, args.warmup_seconds], "logs": str(logs),
-            "minutes": (time.monotonic() - began) / 60, "model_limit": limit,
+            "minutes": (time.monotonic() - began) / 60, "model_limit": limit, "busy": args.busy,
             "servers": {p.name: {"batching": p.batching, "versions": versions(p)} for p in peers},
             "failures": failures, "runs": runs}
 
@@ -130,7 +134,8 @@ def markdown(result: dict[str, object], summaries: Sequence[report.Summary]) -> 
     failures: dict[str, str] = result["failures"]  # type: ignore[assignment]
     parts = [
         f"Measured {result['machine']['date']} on {result['machine']['cpu']}, "  # type: ignore[index]
-        f"{result['machine']['cores']} cores; {result['rounds']} rounds, "  # type: ignore[index]
+        f"{result['machine']['cores']} cores{beside(int(result.get('busy', 0)))}; "  # type: ignore[call-overload]
+        f"{result['rounds']} rounds, "  # type: ignore[index]
         f"{result['seconds']:g} s per rate, {result['minutes']:.0f} minutes in all.",
         report.table(summaries, limit[best]),
         f"Model limit (offline, one torch thread): **{limit[best]:,.0f} samples/s** at batch "
