@@ -69,6 +69,12 @@ request_duration = Histogram(
 requests_total = Counter(
     "batchserve_requests_total", "Inference requests answered", ["runner", "code"]
 )
+loop_lag = Histogram(
+    "batchserve_api_loop_lag_seconds",
+    "How late each API worker's event loop ran a timer due every 10 ms: what a request waits "
+    "in a worker before any of its code sees it",
+    buckets=SECONDS_BUCKETS,
+)
 UNAVAILABLE_REASONS = ("refused", "expired", "stopping", "shed", "unreachable", "late")
 unavailable_total = Counter(
     "batchserve_unavailable_total", "Inference requests answered 503, by why", ["runner", "reason"]
@@ -357,7 +363,7 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]],
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         for pool in service.pools.values():
             pool.start()
-        watcher = asyncio.create_task(watch(service.shedder))
+        watcher = asyncio.create_task(watch(service.shedder, record=loop_lag.observe))
         publisher = asyncio.create_task(_publish(service))
         yield
         watcher.cancel()

@@ -70,10 +70,15 @@ class Shedder:
 
 
 async def watch(
-    shedder: Shedder, period_s: float = PERIOD_S, clock: Callable[[], float] = time.monotonic
+    shedder: Shedder, period_s: float = PERIOD_S, clock: Callable[[], float] = time.monotonic,
+    record: Callable[[float], None] | None = None,
 ) -> None:
-    """Feed `shedder` the lag of this event loop, for as long as the task runs."""
+    """Feed `shedder` the lag of this event loop, and `record` (the metric a user sees it
+    by), for as long as the task runs."""
     while True:
         started = clock()
         await asyncio.sleep(period_s)
-        shedder.observe(max(0.0, clock() - started - period_s))
+        lag_s = max(0.0, clock() - started - period_s)
+        shedder.observe(lag_s)
+        if record is not None:
+            record(lag_s)

@@ -61,6 +61,16 @@ async def test_watch_measures_how_long_the_loop_was_blocked() -> None:
     assert shedder.lag_s >= 0.035
 
 
+async def test_watch_records_every_lag_it_feeds_the_shedder() -> None:
+    shedder, recorded = Shedder(), []
+    task = asyncio.create_task(watch(shedder, period_s=0.02, record=recorded.append))
+    await asyncio.sleep(0.01)
+    time.sleep(0.05)  # noqa: ASYNC251 - a blocked loop, as above
+    await asyncio.sleep(0.01)
+    task.cancel()
+    assert recorded and recorded[-1] == shedder.lag_s >= 0.035
+
+
 MLP_ONLY = """
 runners:
   mlp:
