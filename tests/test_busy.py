@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from benchmarks.busy import beside, busy
+from benchmarks.load import TICK, read_stat
 from tests.conftest import wait_for
 
 
 def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    stat = read_stat(pid)
+    assert stat is not None, f"process {pid} is gone"
+    return stat.cpu_ticks / TICK
 
 
 def test_busy_processes_spin_while_the_block_runs_and_are_reaped_after_it() -> None:
