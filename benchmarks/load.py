@@ -50,6 +50,7 @@ ProcKey = tuple[int, int]  # (pid, start time in ticks): unique across pid reuse
 class ProcStat:
     pid: int
     ppid: int
+    session: int
     start: int
     cpu_ticks: int
 
@@ -58,12 +59,12 @@ def read_stat(pid: int) -> ProcStat | None:
     """One ``/proc/<pid>/stat``; None when the process is gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
+    except OSError:
         return None
     # The command name is in parentheses and may itself hold spaces or parentheses.
     fields = raw[raw.rindex(")") + 2 :].split()
     utime, stime, start = int(fields[11]), int(fields[12]), int(fields[19])
-    return ProcStat(pid, int(fields[1]), start, utime + stime)
+    return ProcStat(pid, int(fields[1]), int(fields[3]), start, utime + stime)
 
 
 def process_tree(root: int) -> list[ProcStat]:
