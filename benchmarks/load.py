@@ -79,6 +79,19 @@ def process_tree(root: int) -> list[ProcStat]:
     return tree
 
 
+def run_queue_s(pid: int) -> float:
+    """Seconds the live threads of ``pid`` have spent runnable but waiting for a core (the
+    second field of each ``/proc/<pid>/task/<tid>/schedstat``): how long the scheduler kept
+    the process from the work it had. 0 when the process is gone; a thread that exited takes
+    its share with it."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
+    return total / 1e9
+
+
 def tree_cpu(root: int) -> dict[ProcKey, int]:
     return {(s.pid, s.start): s.cpu_ticks for s in process_tree(root)}
 

@@ -122,7 +122,8 @@ def load(path: Path) -> dict[str, object]:
     saved.pop("summaries", None)
     saved["model_limit"] = {int(k): v for k, v in saved["model_limit"].items()}
     saved["runs"] = [Run(r["server"], r["round"], r["rate"], LoadResult(**r["load"]),
-                         r["cpu_s"], r["processes"]) for r in saved["runs"]]
+                         r["cpu_s"], r["processes"], r.get("wait_s", 0.0))
+                      for r in saved["runs"]]
     return saved  # type: ignore[no-any-return]
 
 

@@ -17,7 +17,7 @@ import orjson
 
 from batchserve.api.load_result import LoadResult
 from batchserve.api.loadgen import run_load
-from benchmarks.load import cpu_between
+from benchmarks.load import cpu_between, run_queue_s
 from benchmarks.peers.cpu import server_cpu
 from benchmarks.peers.launch import started
 from benchmarks.peers.peer import Peer
@@ -37,6 +37,9 @@ class Run:
     load: LoadResult
     cpu_s: float
     processes: int
+    wait_s: float = 0.0
+    """Seconds the server's threads were runnable but waited for a core: on a busy machine,
+    how much of the server's time the scheduler gave to others."""
 
     @property
     def passed(self) -> bool:
@@ -51,6 +54,7 @@ class Run:
         return {"server": self.server, "round": self.round, "rate": self.rate,
                 "passed": self.passed, "cpu_s": self.cpu_s,
                 "cpu_ms_per_req": self.cpu_ms_per_req, "processes": self.processes,
+                "wait_s": self.wait_s,
                 "load": self.load.as_dict()}
 
 
@@ -81,13 +85,17 @@ def one_server(
                             settings.warmup_seconds, seed=round_ + 1000))
         for rate in rates:
             before = server_cpu(server.pid)
+            waited = {key: run_queue_s(key[0]) for key in before}
             load = runner.run(run_load(server.url, body, HEADERS, rate, settings.seconds,
                                        seed=round_, drain_timeout=settings.drain_s))
-            cpu = cpu_between(before, server_cpu(server.pid))
-            runs.append(Run(peer.name, round_, rate, load, cpu.seconds, cpu.processes))
+            after = server_cpu(server.pid)
+            cpu = cpu_between(before, after)
+            wait_s = sum(run_queue_s(key[0]) - waited[key] for key in before.keys() & after.keys())
+            runs.append(Run(peer.name, round_, rate, load, cpu.seconds, cpu.processes, wait_s))
             print(f"    {rate:6g} req/s: ok {load.ok}/{load.sent}, p99 {load.ok_p99_ms or 0:.1f}"
                   f" ms, goodput {load.goodput:.0f}/s, cpu {runs[-1].cpu_ms_per_req:.2f} "
-                  f"ms/req{'' if runs[-1].passed else '  (fails)'}", flush=True)
+                  f"ms/req, waited for a core {wait_s / max(cpu.seconds, 1e-9):.1f}x as long"
+                  f"{'' if runs[-1].passed else '  (fails)'}", flush=True)
     return runs
 
 
