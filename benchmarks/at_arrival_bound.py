@@ -1,4 +1,4 @@
-"""How much goodput one rule that refuses at arrival reaches on a scenario when it knows the
+"""How much goodput a rule that refuses at arrival reaches on a scenario when it knows the
 true cost: the point-6 targets set against a frontier, not only against the adaptive policy.
 
     python -m benchmarks.at_arrival_bound [SCENARIO ...] [--reserves 0,0.5,1,2,3] [--seed N]
@@ -11,6 +11,12 @@ arrivals or how long the running batch will really take. Its goodput against its
 the reserve (in sigmas of the known noise) shrinks, is a frontier for this way of deciding;
 the same run without noise shows what not knowing the future arrivals alone costs.
 
+Two rules on the same known line show where BentoML's extra goodput comes from:
+`DecideLaterPolicy` settles each request only when the running batch ends or when 10% of the
+limit has passed, so it knows more and still keeps the refusal-wait target; `DropOldestPolicy`
+admits everything and, when the model frees, refuses the oldest requests the batch would
+make late, as BentoML does. Each row gives the refusal wait p99 beside goodput and lateness.
+
 Only scenarios whose cost is a plain line with lognormal noise qualify (no replay, contention,
 tail or stalls): for those the truth is known in closed form.
 """
@@ -22,12 +28,12 @@ import bisect
 import math
 import sys
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 
 from batchserve.runner.latency_model import RateEstimator
-from batchserve.runner.policy import Batch, PolicyStats, Request, Step, WithoutModel
+from batchserve.runner.policy import Batch, Policy, PolicyStats, Request, Step, WithoutModel
 from batchserve.runner.scenario import Cost, Scenario, load_scenario
 from batchserve.runner.simulate import Result, simulate
 
@@ -36,6 +42,8 @@ DEFAULT_SCENARIOS = ("tight_12ms", "tight_slo", "bursts")
 RESERVES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0)
 RATE_TAU_S = 0.1
 LATE_FLOOR = 0.001
+DECIDE_WITHIN = 0.1
+"""How long a deferred decision may wait, as a share of the limit: the refusal-wait target."""
 
 
 class KnownLinePolicy(WithoutModel):
@@ -71,6 +79,11 @@ class KnownLinePolicy(WithoutModel):
     def offer(self, request: Request, now: float) -> bool:
         if self._running_end is None and not self._queue:
             return self._admit(request, now)
+        return self._fits(request, now) and self._admit(request, now)
+
+    def _fits(self, request: Request, now: float) -> bool:
+        """Whether `request`, joining the queue now, keeps its deadline and the earliest one
+        in its batch, at the reserve."""
         cost = self._cost(now)
         start = now if self._running_end is None else max(self._running_end, now)
         ahead, members = self._batches_ahead(request)
@@ -91,7 +104,7 @@ class KnownLinePolicy(WithoutModel):
             if start + now_s + self.reserve * cost.noise * math.sqrt(squares + now_s**2) > \
                     earliest:
                 return False
-        return self._admit(request, now)
+        return True
 
     def _batches_ahead(self, request: Request) -> tuple[list[int], list[Request]]:
         """The rows of each batch the queue makes before the one `request` would join, and
@@ -141,6 +154,62 @@ class KnownLinePolicy(WithoutModel):
                            p99_batch_s=0.0, arrival_rps=0.0, queued=len(self._queue))
 
 
+class DecideLaterPolicy(KnownLinePolicy):
+    """`KnownLinePolicy`, but each request is settled only when the running batch ends or
+    `horizon_s` after its arrival, whichever comes first, in the order requests arrived.
+
+    Settled at a batch's end, the start of its own batch is known exactly; settled at the
+    horizon, the rule has seen who arrived meanwhile. A refusal waits at most `horizon_s`.
+    """
+
+    def __init__(self, scenario: Scenario, reserve: float, horizon_s: float) -> None:
+        super().__init__(scenario, reserve)
+        self.horizon_s = horizon_s
+        self._pending: deque[Request] = deque()
+
+    def offer(self, request: Request, now: float) -> bool:
+        if self._running_end is None and not self._queue and not self._pending:
+            return self._admit(request, now)
+        self._pending.append(request)
+        return True
+
+    def poll(self, now: float) -> Step:
+        every = self._running_end is None
+        pending, refused = self._pending, []
+        while pending and (every or pending[0].arrival + self.horizon_s <= now):
+            request = pending.popleft()
+            if self._fits(request, now):
+                self._admit(request, now)
+            else:
+                refused.append(request)
+        step = super().poll(now)
+        wake_at = pending[0].arrival + self.horizon_s if pending else None
+        return Step(batch=step.batch, expired=tuple(refused), wake_at=wake_at)
+
+
+class DropOldestPolicy(KnownLinePolicy):
+    """Admit every request; when the model frees, refuse the oldest while the batch the queue
+    makes would end past its deadline at `reserve` sigmas: BentoML's choice of whom to
+    refuse, on the known line. A refusal waits for the batch that was running."""
+
+    def offer(self, request: Request, now: float) -> bool:
+        return self._admit(request, now)
+
+    def poll(self, now: float) -> Step:
+        dropped: list[Request] = []
+        if self._running_end is None:
+            cost = self._cost(now)
+            queue = self._queue
+            while queue:
+                batch_s = cost.mean_s(min(self.cap, self._queued_rows))
+                if now + batch_s * (1.0 + self.reserve * cost.noise) <= queue[0].deadline:
+                    break
+                request = queue.popleft()
+                self._queued_rows -= request.rows
+                dropped.append(request)
+        return Step(batch=super().poll(now).batch, expired=tuple(dropped))
+
+
 def _cumulative(values: Iterable[float]) -> list[float]:
     total, out = 0.0, []
     for value in values:
@@ -163,27 +232,51 @@ def _row(label: str, run: Result, bento: Result) -> str:
     ratio = run.goodput_rps / bento.goodput_rps if bento.goodput_rps else 1.0
     false = run.false_rejections / run.requests if run.requests else 0.0
     return (f"| {label} | {run.goodput_rps:.1f} | {ratio:.3f} | {100 * _late(run):.3f} | "
-            f"{100 * false:.2f} |")
+            f"{100 * false:.2f} | {run.reject_wait_p99_ms:.1f} |")
 
 
-def frontier(scenario: Scenario, reserves: tuple[float, ...], seed: int) -> list[str]:
-    """A markdown table: BentoML, adaptive, and the known-line policy at each reserve, with
-    the best goodput the bound reaches within each late bound of point 6."""
+def rules(scenario: Scenario, within: float) -> dict[str, Callable[[float], Policy]]:
+    """The rules a frontier is drawn for, by name, each made for a reserve in sigmas;
+    `within` is the share of the limit a decision may wait."""
+    horizon_s = within * scenario.slo_ms / 1000.0
+    return {
+        "known line": lambda r: KnownLinePolicy(scenario, r),
+        f"decided within {within:.0%} of the limit":
+            lambda r: DecideLaterPolicy(scenario, r, horizon_s),
+        "dropping the oldest": lambda r: DropOldestPolicy(scenario, r),
+    }
+
+
+def frontier(
+    scenario: Scenario, reserves: tuple[float, ...], seed: int, within: float = DECIDE_WITHIN
+) -> list[str]:
+    """A markdown table: BentoML, adaptive, and each rule on the known line at each reserve,
+    with the best goodput each rule reaches within each late bound of point 6."""
     bento = simulate(scenario, "bentoml", seed=seed)
     adaptive = simulate(scenario, "adaptive", seed=seed)
-    runs = [(r, simulate(scenario, "known-line", seed=seed, policy=KnownLinePolicy(scenario, r)))
-            for r in reserves]
     out = [f"{scenario.name}, seed {seed}:", "",
-           "| policy | goodput req/s | of BentoML's | late % | false refusals % |",
-           "|---|---|---|---|---|",
+           "| policy | goodput req/s | of BentoML's | late % | false refusals % | "
+           "refusal wait p99 ms |",
+           "|---|---|---|---|---|---|",
            _row("BentoML", bento, bento), _row("adaptive", adaptive, bento)]
-    out += [_row(f"known line, reserve {r:g} sigma", run, bento) for r, run in runs]
-    for bound_name, bound in (("0.1%", LATE_FLOOR), ("BentoML's", max(LATE_FLOOR, _late(bento)))):
-        within = [run.goodput_rps for _, run in runs if _late(run) <= bound]
-        best = max(within, default=0.0)
-        out.append(f"\nbest known-line goodput with late <= {bound_name} ({100 * bound:.3f}%): "
-                   f"{best:.1f} req/s, {best / bento.goodput_rps:.3f} of BentoML's")
-    return out + [""]
+    bests = []
+    for name, make in rules(scenario, within).items():
+        runs = [(r, simulate(scenario, name, seed=seed, policy=make(r))) for r in reserves]
+        out += [_row(f"{name}, reserve {r:g} sigma", run, bento) for r, run in runs]
+        for bound_name, bound in (("0.1%", LATE_FLOOR),
+                                  ("BentoML's", max(LATE_FLOOR, _late(bento)))):
+            kept = [run for _, run in runs if _late(run) <= bound]
+            best = max(kept, key=lambda run: run.goodput_rps, default=None)
+            head = f"best {name} goodput with late <= {bound_name} ({100 * bound:.3f}%): "
+            if best is None:
+                bests.append(head + "none within it")
+                continue
+            false = best.false_rejections / best.requests if best.requests else 0.0
+            bests.append(head + f"{best.goodput_rps:.1f} req/s, "
+                         f"{best.goodput_rps / bento.goodput_rps:.3f} of BentoML's, false "
+                         f"refusals {100 * false:.2f}%, refusal wait p99 "
+                         f"{best.reject_wait_p99_ms:.1f} ms")
+    return out + [""] + bests + [""]
 
 
 def main(argv: list[str]) -> int:
@@ -194,6 +287,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reserves", default=",".join(f"{r:g}" for r in RESERVES),
                         help="reserves in sigmas of the known noise, comma-separated")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--decide-within", type=float, default=DECIDE_WITHIN,
+                        help="the share of the limit a deferred decision may wait "
+                             f"(default {DECIDE_WITHIN:g}, the refusal-wait target; 1 settles "
+                             "each request when the batch running at its arrival ends)")
     args = parser.parse_args(argv)
     reserves = tuple(float(part) for part in args.reserves.split(","))
     for name in args.scenarios:
@@ -201,7 +298,7 @@ def main(argv: list[str]) -> int:
         scenario = load_scenario(path)
         try:
             for variant in (scenario, without_noise(scenario)):
-                print("\n".join(frontier(variant, reserves, args.seed)))
+                print("\n".join(frontier(variant, reserves, args.seed, args.decide_within)))
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2

@@ -10,7 +10,14 @@ import pytest
 
 from batchserve.runner.scenario import Scenario, load_scenario
 from batchserve.runner.simulate import simulate
-from benchmarks.at_arrival_bound import KnownLinePolicy, frontier, main, without_noise
+from benchmarks.at_arrival_bound import (
+    DecideLaterPolicy,
+    DropOldestPolicy,
+    KnownLinePolicy,
+    frontier,
+    main,
+    without_noise,
+)
 
 SCENARIOS = Path(__file__).parent.parent / "benchmarks" / "scenarios"
 
@@ -50,9 +57,34 @@ def test_a_cost_with_inflated_batch_times_is_refused_by_name(
     assert "plain cost line" in capsys.readouterr().err
 
 
-def test_the_table_names_the_best_goodput_within_each_late_bound() -> None:
+def test_a_deferred_decision_refuses_within_its_horizon_and_keeps_its_promises() -> None:
+    scenario = without_noise(_short("tight_12ms"))
+    horizon_s = 0.1 * scenario.slo_ms / 1000.0
+    run = simulate(scenario, "later", policy=DecideLaterPolicy(scenario, 0.0, horizon_s))
+    assert run.ok + run.rejected == run.requests
+    assert run.rejected > 0
+    assert run.rejected_at_arrival < run.rejected  # some were settled after a wait ...
+    assert run.reject_wait_p99_ms <= horizon_s * 1000.0 + 1e-6  # ... never a long one
+    assert run.late == 0
+
+
+def test_dropping_the_oldest_refuses_only_after_a_wait_and_keeps_its_promises() -> None:
+    scenario = without_noise(_short("tight_12ms"))
+    run = simulate(scenario, "drop-oldest", policy=DropOldestPolicy(scenario, 0.0))
+    assert run.ok + run.rejected == run.requests
+    assert run.rejected > 0
+    assert run.rejected_at_arrival == 0
+    assert run.reject_wait_p99_ms > 0.1 * scenario.slo_ms  # they waited for a batch
+    assert run.late == 0
+
+
+def test_the_table_names_the_best_goodput_of_each_rule_within_each_late_bound() -> None:
     lines = frontier(_short("tight_12ms"), (0.0, 2.0), seed=1)
     assert lines[0] == "tight_12ms, seed 1:"
-    assert sum(line.startswith("| known line, reserve") for line in lines) == 2
-    assert any("with late <= 0.1% (0.100%)" in line for line in lines)
-    assert any("with late <= BentoML's" in line for line in lines)
+    for rule in ("known line", "decided within 10% of the limit", "dropping the oldest"):
+        assert sum(line.startswith(f"| {rule}, reserve") for line in lines) == 2
+        assert any(line.startswith(f"best {rule} goodput with late <= 0.1% (0.100%)")
+                   for line in lines)
+        assert any(line.startswith(f"best {rule} goodput with late <= BentoML's")
+                   for line in lines)
+    assert all(line.count("|") == 7 for line in lines if line.startswith("| "))
