@@ -228,11 +228,14 @@ def _late(run: Result) -> float:
     return run.late / run.requests if run.requests else 0.0
 
 
+def _false(run: Result) -> float:
+    return run.false_rejections / run.requests if run.requests else 0.0
+
+
 def _row(label: str, run: Result, bento: Result) -> str:
     ratio = run.goodput_rps / bento.goodput_rps if bento.goodput_rps else 1.0
-    false = run.false_rejections / run.requests if run.requests else 0.0
     return (f"| {label} | {run.goodput_rps:.1f} | {ratio:.3f} | {100 * _late(run):.3f} | "
-            f"{100 * false:.2f} | {run.reject_wait_p99_ms:.1f} |")
+            f"{100 * _false(run):.2f} | {run.reject_wait_p99_ms:.1f} |")
 
 
 def rules(scenario: Scenario, within: float) -> dict[str, Callable[[float], Policy]]:
@@ -271,10 +274,9 @@ def frontier(
             if best is None:
                 bests.append(head + "none within it")
                 continue
-            false = best.false_rejections / best.requests if best.requests else 0.0
             bests.append(head + f"{best.goodput_rps:.1f} req/s, "
                          f"{best.goodput_rps / bento.goodput_rps:.3f} of BentoML's, false "
-                         f"refusals {100 * false:.2f}%, refusal wait p99 "
+                         f"refusals {100 * _false(best):.2f}%, refusal wait p99 "
                          f"{best.reject_wait_p99_ms:.1f} ms")
     return out + [""] + bests + [""]
 
