@@ -35,9 +35,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from batchserve.api import openapi, protocol
-from batchserve.api.dispatch import NO_KEYS, Pool, RunnerFailure
-from batchserve.api.errors import (
+from ..runner.core.config import Config, RunnerConfig
+from ..runner.core.security import Credentials
+from ..runner.core.types import Tensors
+from ..runner.core.wire import Address, FailureCode
+from ..runner.metrics import SECONDS_BUCKETS, registry
+from . import openapi, protocol
+from .dispatch import NO_KEYS, Pool, RunnerFailure
+from .errors import (
     BadRequest,
     BatchserveError,
     ModelNotFound,
@@ -51,13 +56,8 @@ from batchserve.api.errors import (
     Unavailable,
     error_response,
 )
-from batchserve.api.overload import LAG_FLOOR_S, Shedder, watch
-from batchserve.api.reserve import Reserve
-from batchserve.runner.config import Config, RunnerConfig
-from batchserve.runner.metrics import SECONDS_BUCKETS, registry
-from batchserve.runner.security import Credentials
-from batchserve.runner.types import Tensors
-from batchserve.runner.wire import Address, FailureCode
+from .overload import LAG_FLOOR_S, Shedder, watch
+from .reserve import Reserve
 
 log = logging.getLogger(__name__)
 VERSION = "1"

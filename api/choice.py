@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from batchserve.runner.config import Choice
+from ..runner.core.config import Choice
 
 Load = Callable[[int], int]
 """The requests in flight to candidate `i`."""

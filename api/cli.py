@@ -13,8 +13,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from batchserve.runner.config import Config, ConfigError, load, resolve
-from batchserve.runner.security import Credentials, credentials
+from ..runner.core.config import Config, ConfigError, load, resolve
+from ..runner.core.security import Credentials, credentials
 
 CONFIG_ERROR = 3
 
@@ -43,7 +43,7 @@ def _links(config: Config, api_only: bool) -> Credentials:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from batchserve.api.supervisor import Supervisor
+    from .supervisor import Supervisor
 
     config = load(args.config) if args.api_only else _check(args.config)
     keys = _links(config, args.api_only)
@@ -76,8 +76,8 @@ def _forward(module: str) -> Callable[[list[str]], int]:
 
 FORWARDED = {
     "runner": _forward("batchserve.runner.server"),
-    "simulate": _forward("batchserve.runner.simulate"),
-    "bench": _forward("batchserve.api.bench"),
+    "simulate": _forward("batchserve.runner.sim.simulate"),
+    "bench": _forward("batchserve.api.bench.bench"),
 }
 
 

@@ -19,7 +19,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 
-from batchserve.runner.wire import Address
+from ..runner.core.wire import Address
 
 log = logging.getLogger(__name__)
 

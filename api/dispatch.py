@@ -11,7 +11,7 @@ a dropped connection held unstarted, go once more to another process while their
 lasts, so a runner that drains or goes away loses no request another process can take.
 
 A connection counts as connected only once the handshake has passed
-(`batchserve.runner.handshake`): a runner that speaks another protocol version, serves
+(`batchserve.runner.core.handshake`): a runner that speaks another protocol version, serves
 another runner, or refuses (or cannot prove) the token stays unreachable, and requests for it
 are answered 503 (`unreachable`) while the log says why. A connection nothing has come from
 for `timeouts.link_idle_s` is pinged, and dropped when the ping goes unanswered.
@@ -32,15 +32,12 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
-from batchserve.api.choice import CHOOSERS
-from batchserve.api.discovery import Discovery, Resolver, resolve
-from batchserve.api.errors import Unavailable
-from batchserve.runner.config import Choice
-from batchserve.runner.handshake import Refused, answer, welcomed
-from batchserve.runner.security import Credentials
-from batchserve.runner.timeouts import Timeouts
-from batchserve.runner.types import Tensors
-from batchserve.runner.wire import (
+from ..runner.core.config import Choice
+from ..runner.core.handshake import Refused, answer, welcomed
+from ..runner.core.security import Credentials
+from ..runner.core.timeouts import Timeouts
+from ..runner.core.types import Tensors
+from ..runner.core.wire import (
     Address,
     Call,
     Failure,
@@ -57,6 +54,9 @@ from batchserve.runner.wire import (
     encode,
     tune,
 )
+from .choice import CHOOSERS
+from .discovery import Discovery, Resolver, resolve
+from .errors import Unavailable
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUTS = Timeouts()

@@ -2,7 +2,7 @@
 
 This module owns the request and response documents: their framing, their fields and parameters,
 which outputs the runner's signature allows, and the metadata endpoints. Inputs are checked
-against the signature by `batchserve.runner.signature`, the very check a runner makes of every
+against the signature by `batchserve.runner.core.signature`, the very check a runner makes of every
 call it receives; what one tensor's data holds is read and checked by `batchserve.api.tensors`.
 Decoding is strict: every way a request can disagree with the runner's signature is a
 `BadRequest` that names the input and what was expected. Outputs are written by orjson or appended
@@ -31,8 +31,10 @@ from typing import Any, Final
 import numpy as np
 import orjson
 
-from batchserve.api.errors import BadRequest
-from batchserve.api.tensors import (
+from ..runner.core.config import RunnerConfig, TensorSpec
+from ..runner.core.signature import Signature, SignatureError
+from .errors import BadRequest
+from .tensors import (
     HEADER_LENGTH,
     MISSING,
     BinaryData,
@@ -43,8 +45,6 @@ from batchserve.api.tensors import (
     output_json,
     show,
 )
-from batchserve.runner.config import RunnerConfig, TensorSpec
-from batchserve.runner.signature import Signature, SignatureError
 
 __all__ = [
     "BINARY_TYPE",

@@ -11,7 +11,7 @@ limit. It measures only on this worker's clock, so it holds for runners on other
 
 from __future__ import annotations
 
-from batchserve.runner.latency_model import RecentQuantile
+from ..runner.policy.latency_model import RecentQuantile
 
 WINDOW = 2048  # overruns remembered
 EVERY = 32  # new overruns between two estimates

@@ -38,11 +38,11 @@ from pathlib import Path
 import orjson
 from prometheus_client import multiprocess
 
-from batchserve.runner.config import Config
-from batchserve.runner.handshake import Refused, greet
-from batchserve.runner.security import Credentials
-from batchserve.runner.timeouts import Timeouts
-from batchserve.runner.wire import Address, FrameSocket, Ping, Pong, WireError
+from ..runner.core.config import Config
+from ..runner.core.handshake import Refused, greet
+from ..runner.core.security import Credentials
+from ..runner.core.timeouts import Timeouts
+from ..runner.core.wire import Address, FrameSocket, Ping, Pong, WireError
 
 log = logging.getLogger("batchserve")
 POLL_S = 0.05  # how often start-up checks its children; signals wake every wait at once

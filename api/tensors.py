@@ -2,7 +2,7 @@
 
 Why a module of its own: `batchserve.api.protocol` reads the request document (its fields,
 parameters and framing) and checks each input's declared name, datatype and shape with the
-runner's `batchserve.runner.signature.Signature`; this reads what a single tensor holds, which
+runner's `batchserve.runner.core.signature.Signature`; this reads what a single tensor holds, which
 is where the cost and the subtle checks are. Tensor data never passes through a per-element
 Python loop: JSON lists go through `np.asarray`, binary tensors become `np.frombuffer` views into
 the request body (zero copy, read-only), and every value must fit the input's datatype in kind
@@ -23,10 +23,10 @@ from typing import Any, Final
 
 import numpy as np
 
-from batchserve.api.errors import BadRequest, BatchserveError
-from batchserve.runner.config import TensorSpec
-from batchserve.runner.signature import fits, shape_text, show
-from batchserve.runner.types import BYTES, DATATYPES
+from ..runner.core.config import TensorSpec
+from ..runner.core.signature import fits, shape_text, show
+from ..runner.core.types import BYTES, DATATYPES
+from .errors import BadRequest, BatchserveError
 
 __all__ = [
     "HEADER_LENGTH",

@@ -23,10 +23,10 @@ from types import FrameType
 import orjson
 import uvicorn
 
-from batchserve.api.app import App, create_app
-from batchserve.runner.config import load
-from batchserve.runner.security import credentials
-from batchserve.runner.wire import Address
+from ..runner.core.config import load
+from ..runner.core.security import credentials
+from ..runner.core.wire import Address
+from .app import App, create_app
 
 log = logging.getLogger("batchserve.api")
 FLUSH_S = 0.5

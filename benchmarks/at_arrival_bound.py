@@ -32,10 +32,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from batchserve.runner.latency_model import RateEstimator
-from batchserve.runner.policy import Batch, Policy, PolicyStats, Request, Step, WithoutModel
-from batchserve.runner.scenario import Cost, Scenario, load_scenario
-from batchserve.runner.simulate import Result, simulate
+from batchserve.runner.policy.base import Batch, Policy, PolicyStats, Request, Step, WithoutModel
+from batchserve.runner.policy.latency_model import RateEstimator
+from batchserve.runner.sim.scenario import Cost, Scenario, load_scenario
+from batchserve.runner.sim.simulate import Result, simulate
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 DEFAULT_SCENARIOS = ("tight_12ms", "tight_slo", "bursts")

@@ -22,8 +22,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from batchserve.runner.scenario import Scenario, load_scenario
-from batchserve.runner.simulate import Result, best_fixed, simulate
+from batchserve.runner.sim.scenario import Scenario, load_scenario
+from batchserve.runner.sim.simulate import Result, best_fixed, simulate
 from benchmarks import grid
 from benchmarks.targets import TARGETS, lines, verdicts
 

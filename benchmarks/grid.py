@@ -29,8 +29,8 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from batchserve.runner.scenario import Cost, Phase, Scenario
-from batchserve.runner.simulate import Result, simulate
+from batchserve.runner.sim.scenario import Cost, Phase, Scenario
+from batchserve.runner.sim.simulate import Result, simulate
 from benchmarks.targets import TARGETS, Verdict, verdicts
 
 RATIOS = (0.5, 2.0, 10.0, 50.0)

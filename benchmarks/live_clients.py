@@ -1,6 +1,6 @@
 """The two independent load clients of the live table, behind one small interface.
 
-- ``batchserve``: this project's open-loop generator (``batchserve.api.loadgen.run_load``), in
+- ``batchserve``: this project's open-loop generator (``batchserve.api.bench.loadgen.run_load``), in
   process.
 - ``shared``: ``../shared/tools/loadgen.py``, an aiohttp + uvloop generator with up to 2,000
   connections, run as a subprocess that prints one JSON line.
@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from batchserve.api.bench import infer_body
-from batchserve.api.load_result import LoadResult
-from batchserve.api.loadgen import run_load
+from batchserve.api.bench.bench import infer_body
+from batchserve.api.bench.load_result import LoadResult
+from batchserve.api.bench.loadgen import run_load
 
 SLO_MS = 100.0
 MAX_NON_OK = 0.01
@@ -98,8 +98,8 @@ def from_load(client: str, load: LoadResult) -> RunResult:
 
 
 class OwnClient:
-    """``batchserve.api.loadgen.run_load`` on the caller's event loop runner, JSON bodies of one
-    row."""
+    """``batchserve.api.bench.loadgen.run_load`` on the caller's event loop runner, JSON bodies of
+    one row."""
 
     name = "batchserve"
 

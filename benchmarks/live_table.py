@@ -29,8 +29,8 @@ from pathlib import Path
 
 import orjson
 
-from batchserve.api.loadgen import loop_factory
-from batchserve.api.scrape import Scrape, bucket_delta, delta, fetch, histogram_quantile
+from batchserve.api.bench.loadgen import loop_factory
+from batchserve.api.bench.scrape import Scrape, bucket_delta, delta, fetch, histogram_quantile
 from benchmarks.busy import beside, busy
 from benchmarks.live_clients import Client, OwnClient, RunResult, SharedClient
 from benchmarks.live_report import Row, Window, markdown, overload_markdown, summary

@@ -1,7 +1,7 @@
 """Measure the request path: start the real server, drive it open-loop, count its CPU.
 
 Issue 2, point 8. For each rate this prints p50/p99 latency (from each request's scheduled
-send time, see ``api/loadgen.py``), the error share, and the CPU time per request of the
+send time, see ``api/bench/loadgen.py``), the error share, and the CPU time per request of the
 server (every process under the supervisor) and of the load generator itself, which runs on
 the same 2 cores and so takes its share from the server.
 
@@ -33,9 +33,9 @@ from pathlib import Path
 
 import orjson
 
-from batchserve.api.bench import infer_body
-from batchserve.api.load_result import LoadResult
-from batchserve.api.loadgen import loop_factory, run_load
+from batchserve.api.bench.bench import infer_body
+from batchserve.api.bench.load_result import LoadResult
+from batchserve.api.bench.loadgen import loop_factory, run_load
 
 ROOT = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")

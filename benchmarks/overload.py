@@ -26,9 +26,9 @@ from pathlib import Path
 import httpx
 import orjson
 
-from batchserve.api.load_result import LoadResult
-from batchserve.api.loadgen import loop_factory, run_load
-from batchserve.api.scrape import bucket_delta, fetch
+from batchserve.api.bench.load_result import LoadResult
+from batchserve.api.bench.loadgen import loop_factory, run_load
+from batchserve.api.bench.scrape import bucket_delta, fetch
 from benchmarks.load import serve
 from benchmarks.soak import server_rss
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import orjson
 
-from batchserve.api.bench import infer_body
-from batchserve.api.loadgen import loop_factory, run_load
+from batchserve.api.bench.bench import infer_body
+from batchserve.api.bench.loadgen import loop_factory, run_load
 from benchmarks.load import ROOT, cmdline, serve
 from benchmarks.peers.cpu import server_cpu
 
@@ -35,11 +35,11 @@ STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model forward (torch)", ("torch/",)),
     ("runner: model call glue", ("runner/models.py",)),
     ("runner: batching loop (dispatcher, policy)",
-     ("runner/dispatcher.py", "runner/batching.py", "runner/adaptive.py", "runner/policy",
-      "runner/latency_model.py", "runner/batch_times.py", "runner/timeouts.py")),
+     ("runner/dispatcher.py", "runner/batching.py", "runner/policy/adaptive.py", "runner/policy",
+      "runner/policy/latency_model.py", "runner/sim/batch_times.py", "runner/core/timeouts.py")),
     ("runner: thread-pool handoff to the model thread", ("concurrent/futures", "threading.py")),
     ("unix-socket writes, API <-> runner (writelines)", ("Outbox._flush",)),
-    ("wire encode/decode (API <-> runner)", ("runner/wire.py",)),
+    ("wire encode/decode (API <-> runner)", ("runner/core/wire.py",)),
     ("runner: connection", ("runner/server.py",)),
     ("v2 JSON decode + validate", ("decode_infer", "_decode_", "from_json", "_convert",
                                    "_check_layout", "_split (", "_load (")),

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import orjson
 
-from batchserve.api.bench import infer_body
-from batchserve.api.loadgen import loop_factory, run_load
+from batchserve.api.bench.bench import infer_body
+from batchserve.api.bench.loadgen import loop_factory, run_load
 from benchmarks.load import process_tree, serve
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from batchserve.runner.simulate import Result
+from batchserve.runner.sim.simulate import Result
 
 TARGETS = ("goodput", "late", "refusal wait", "false refusals")
 GOODPUT_SHARE = 0.99

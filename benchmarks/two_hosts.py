@@ -5,7 +5,7 @@
 Each runner host is a network namespace of its own (`tests/netns.py`), as is the API tier
 (`batchserve serve --api-only`, two workers) and this load generator, which sits in the API's
 namespace. The API finds the runners by name through its hosts file: first one host, then
-both. The same open-loop Poisson rate (`api/loadgen.py`) is offered to each, above what two
+both. The same open-loop Poisson rate (`api/bench/loadgen.py`) is offered to each, above what two
 hosts can serve, and goodput is the answers that came back 200 within the runner's limit
 (100 ms), per second.
 
@@ -37,8 +37,8 @@ from pathlib import Path
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchserve.api.load_result import LoadResult
-from batchserve.api.loadgen import loop_factory, run_load
+from batchserve.api.bench.load_result import LoadResult
+from batchserve.api.bench.loadgen import loop_factory, run_load
 from benchmarks.load import batchserve_command
 from tests.netns import Host, Network, unavailable
 

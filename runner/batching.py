@@ -16,7 +16,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from batchserve.runner.types import ModelInputs, PerRequest, Tensors
+from .core.types import ModelInputs, PerRequest, Tensors
 
 
 def rows(tensors: Tensors, dim: int, unbatched: Collection[str] = ()) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchserve.runner.types import PerRequest
+from .core.types import PerRequest
 
 
 def iris_classifier() -> Callable[[np.ndarray], np.ndarray]:

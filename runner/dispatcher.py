@@ -33,15 +33,16 @@ from typing import Any
 
 import numpy as np
 
-from batchserve.runner import batching, ragged
-from batchserve.runner.config import RunnerConfig
-from batchserve.runner.latency_model import Timing
-from batchserve.runner.metrics import RunnerMetrics
-from batchserve.runner.models import Model
-from batchserve.runner.policy import Batch, Policy, Request
-from batchserve.runner.signature import Signature
-from batchserve.runner.types import BYTES, ModelInputs, Tensors
-from batchserve.runner.wire import FailureCode
+from . import batching
+from .core import ragged
+from .core.config import RunnerConfig
+from .core.signature import Signature
+from .core.types import BYTES, ModelInputs, Tensors
+from .core.wire import FailureCode
+from .metrics import RunnerMetrics
+from .models import Model
+from .policy.base import Batch, Policy, Request
+from .policy.latency_model import Timing
 
 log = logging.getLogger(__name__)
 EXIT_HUNG = 70  # the process exits with this when its model thread never came back

@@ -22,7 +22,7 @@ from typing import TextIO
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from batchserve.runner.policy import Batch, PolicyStats
+from .policy.base import Batch, PolicyStats
 
 
 def registry() -> CollectorRegistry:

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from batchserve.runner.config import Config, ConfigError, RunnerConfig, resolve
-from batchserve.runner.types import BYTES, ModelInputs, PerRequest, Tensors
+from .core.config import Config, ConfigError, RunnerConfig, resolve
+from .core.types import BYTES, ModelInputs, PerRequest, Tensors
 
 
 class ModelError(RuntimeError):

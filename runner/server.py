@@ -3,7 +3,7 @@
 Start one by itself with `batchserve runner --config configuration.yml --runner NAME --listen
 tcp:0.0.0.0:7000` (or `python -m batchserve.runner`, or a unix socket address); it speaks HTTP
 only for its own metrics and health (`--metrics-port`, see `batchserve.runner.status`). Every
-connection opens with the handshake of `batchserve.runner.handshake` before any call; the
+connection opens with the handshake of `batchserve.runner.core.handshake` before any call; the
 runner listens once the model is loaded and calibrated, so an answered ping means ready.
 SIGTERM or SIGINT stops accepting, lets queued and running batches finish for
 `timeouts.drain_s`, refuses what is left and exits 0, without waiting for a model call that
@@ -24,19 +24,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from batchserve.runner import models
-from batchserve.runner.config import Config, ConfigError, RunnerConfig, load
-from batchserve.runner.dispatcher import Dispatcher, Rejection
-from batchserve.runner.handshake import Refused, admit, opening
-from batchserve.runner.metrics import RunnerMetrics
-from batchserve.runner.policies import make_policy
-from batchserve.runner.policy import Policy
-from batchserve.runner.security import Credentials, credentials
-from batchserve.runner.signature import Signature, SignatureError
-from batchserve.runner.status import StatusServer, status_server
-from batchserve.runner.timeouts import Timeouts
-from batchserve.runner.types import Tensors
-from batchserve.runner.wire import (
+from . import models
+from .core.config import Config, ConfigError, RunnerConfig, load
+from .core.handshake import Refused, admit, opening
+from .core.security import Credentials, credentials
+from .core.signature import Signature, SignatureError
+from .core.timeouts import Timeouts
+from .core.types import Tensors
+from .core.wire import (
     Address,
     Call,
     Failure,
@@ -54,6 +49,11 @@ from batchserve.runner.wire import (
     encode,
     tune,
 )
+from .dispatcher import Dispatcher, Rejection
+from .metrics import RunnerMetrics
+from .policy.base import Policy
+from .policy.policies import make_policy
+from .status import StatusServer, status_server
 
 log = logging.getLogger("runner")
 DEFAULT_TIMEOUTS = Timeouts()

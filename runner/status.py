@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from batchserve.runner.metrics import registry
+from .metrics import registry
 
 
 def status_app(ready: Callable[[], bool]) -> Starlette:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchserve.runner.types import PerRequest
+from batchserve.runner.core.types import PerRequest
 
 
 def pid_echo(x: np.ndarray) -> dict[str, np.ndarray]:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from batchserve.runner.scenario import Scenario, load_scenario
-from batchserve.runner.simulate import simulate
+from batchserve.runner.sim.scenario import Scenario, load_scenario
+from batchserve.runner.sim.simulate import simulate
 from benchmarks.at_arrival_bound import (
     DecideLaterPolicy,
     DropOldestPolicy,

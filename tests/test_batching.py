@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from batchserve.runner import batching
-from batchserve.runner.types import PerRequest
+from batchserve.runner.core.types import PerRequest
 
 
 def request(rows: int, mode: bytes) -> dict[str, np.ndarray]:

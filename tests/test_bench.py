@@ -18,11 +18,13 @@ import numpy as np
 import orjson
 import pytest
 
-from batchserve.api import bench, bench_plot, bench_report, http1, load_result, probe, traffic
-from batchserve.api.http1 import ProtocolError, ResponseParser
-from batchserve.api.loadgen import Progress, run_load
-from batchserve.api.progress_bar import render
-from batchserve.api.scrape import Scrape
+from batchserve.api.bench import bench, http1, load_result, probe, traffic
+from batchserve.api.bench import plot as bench_plot
+from batchserve.api.bench import report as bench_report
+from batchserve.api.bench.http1 import ProtocolError, ResponseParser
+from batchserve.api.bench.loadgen import Progress, run_load
+from batchserve.api.bench.progress_bar import render
+from batchserve.api.bench.scrape import Scrape
 from tests.conftest import Server
 
 APP = textwrap.dedent(

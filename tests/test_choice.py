@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from batchserve.api.choice import CHOOSERS, least_loaded_of_two, uniform
-from batchserve.runner.config import CHOICES, ConfigError, load
+from batchserve.runner.core.config import CHOICES, ConfigError, load
 from tests.conftest import Server
 from tests.test_config import GOOD
 from tests.test_server import PID_OUTPUTS

@@ -28,8 +28,8 @@ from batchserve.api.client import (
     ServerUnavailable,
 )
 from batchserve.runner.bundled import mlp
-from batchserve.runner.config import Batching, RunnerConfig, TensorSpec
-from batchserve.runner.types import Tensors
+from batchserve.runner.core.config import Batching, RunnerConfig, TensorSpec
+from batchserve.runner.core.types import Tensors
 from tests.conftest import ROOT, Server, wait_for
 
 FRONTS = ["sync", "asyncio", "futures"]

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from batchserve.api import protocol
-from batchserve.api.client_codec import (
+from batchserve.api.client.codec import (
     HEADER_LENGTH,
     ModelMetadata,
     ServerError,
@@ -27,7 +27,7 @@ from batchserve.api.client_codec import (
     split_along,
     split_first_dim,
 )
-from batchserve.runner.config import RunnerConfig, TensorSpec
+from batchserve.runner.core.config import RunnerConfig, TensorSpec
 
 PAIR = ModelMetadata(
     name="pair",

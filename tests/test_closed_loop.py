@@ -18,7 +18,7 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from batchserve.api.scrape import Scrape, delta, fetch
+from batchserve.api.bench.scrape import Scrape, delta, fetch
 from tests.conftest import ROOT, Server
 
 SECONDS = 10.0

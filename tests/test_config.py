@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from batchserve.runner.config import ConfigError, load
-from batchserve.runner.timeouts import Timeouts
+from batchserve.runner.core.config import ConfigError, load
+from batchserve.runner.core.timeouts import Timeouts
 from tests.conftest import BATCHSERVE, ROOT
 
 GOOD = """

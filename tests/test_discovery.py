@@ -23,11 +23,11 @@ import yaml
 from batchserve.api.discovery import resolve
 from batchserve.api.dispatch import Link, Pool
 from batchserve.runner import server as runner_server
-from batchserve.runner.config import ConfigError, parse
-from batchserve.runner.handshake import admit, opening
-from batchserve.runner.security import Credentials
-from batchserve.runner.timeouts import Timeouts
-from batchserve.runner.wire import (
+from batchserve.runner.core.config import ConfigError, parse
+from batchserve.runner.core.handshake import admit, opening
+from batchserve.runner.core.security import Credentials
+from batchserve.runner.core.timeouts import Timeouts
+from batchserve.runner.core.wire import (
     Address,
     Call,
     FrameReader,

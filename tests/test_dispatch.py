@@ -10,8 +10,8 @@ import pytest
 from batchserve.api.choice import least_loaded_of_two
 from batchserve.api.dispatch import Link, Pool
 from batchserve.api.errors import Unavailable
-from batchserve.runner.config import Choice
-from batchserve.runner.wire import Address
+from batchserve.runner.core.config import Choice
+from batchserve.runner.core.wire import Address
 
 
 class FakeTransport:

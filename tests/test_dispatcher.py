@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from batchserve.runner.adaptive import AdaptivePolicy
-from batchserve.runner.config import BatchInput, RunnerConfig, TensorSpec
+from batchserve.runner.core.config import BatchInput, RunnerConfig, TensorSpec
+from batchserve.runner.core.types import Tensors
+from batchserve.runner.core.wire import FailureCode
 from batchserve.runner.dispatcher import Dispatcher, Rejection
 from batchserve.runner.metrics import RunnerMetrics
 from batchserve.runner.models import Model
-from batchserve.runner.policy import GreedyPolicy, Policy, Request
-from batchserve.runner.types import Tensors
-from batchserve.runner.wire import FailureCode
+from batchserve.runner.policy.adaptive import AdaptivePolicy
+from batchserve.runner.policy.base import GreedyPolicy, Policy, Request
 
 pytestmark = pytest.mark.anyio
 

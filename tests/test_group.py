@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from batchserve.api.client import ModelClient
-from batchserve.runner.config import ConfigError, parse
+from batchserve.runner.core.config import ConfigError, parse
 from tests.conftest import ROOT, Server, start_server
 from tests.test_client import FRONTS, infer
 from tests.test_server import histogram

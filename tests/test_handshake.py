@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from batchserve.api.dispatch import Link
-from batchserve.runner.config import Config, ConfigError, TransportConfig
-from batchserve.runner.handshake import Refused, admit, answer, opening, welcomed
-from batchserve.runner.security import Credentials, read_token
-from batchserve.runner.timeouts import Timeouts
-from batchserve.runner.wire import (
+from batchserve.runner.core.config import Config, ConfigError, TransportConfig
+from batchserve.runner.core.handshake import Refused, admit, answer, opening, welcomed
+from batchserve.runner.core.security import Credentials, read_token
+from batchserve.runner.core.timeouts import Timeouts
+from batchserve.runner.core.wire import (
     PROTOCOL_VERSION,
     Address,
     Call,

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from batchserve.api.errors import BadRequest, BatchserveError
 from batchserve.api.protocol import decode_infer, parse_header_length
-from batchserve.runner.config import RunnerConfig, TensorSpec
-from batchserve.runner.types import DATATYPES
+from batchserve.runner.core.config import RunnerConfig, TensorSpec
+from batchserve.runner.core.types import DATATYPES
 
 RUNNER = RunnerConfig(
     name="multi",

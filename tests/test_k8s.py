@@ -22,9 +22,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from batchserve.runner.config import parse
+from batchserve.runner.core.config import parse
+from batchserve.runner.core.timeouts import Timeouts
 from batchserve.runner.metrics import gauges
-from batchserve.runner.timeouts import Timeouts
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

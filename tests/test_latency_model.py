@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from batchserve.runner.latency_model import (
+from batchserve.runner.policy.latency_model import (
     MAX_MOVE,
     Fit,
     LatencyModel,

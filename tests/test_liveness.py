@@ -20,13 +20,13 @@ from typing import Any
 import httpx
 import pytest
 
-from batchserve.api.loadgen import run_load
-from batchserve.runner.adaptive import AdaptivePolicy, Tuning
+from batchserve.api.bench.loadgen import run_load
+from batchserve.runner.core.types import Tensors
+from batchserve.runner.core.wire import FailureCode
 from batchserve.runner.dispatcher import Rejection
-from batchserve.runner.latency_model import Fit, Timing
-from batchserve.runner.policy import Batch, Request
-from batchserve.runner.types import Tensors
-from batchserve.runner.wire import FailureCode
+from batchserve.runner.policy.adaptive import AdaptivePolicy, Tuning
+from batchserve.runner.policy.base import Batch, Request
+from batchserve.runner.policy.latency_model import Fit, Timing
 from tests.conftest import Server
 from tests.test_dispatcher import Gate, ask, dispatcher, rows
 

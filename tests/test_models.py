@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from batchserve.runner import models
-from batchserve.runner.config import Config, ConfigError, RunnerConfig, parse
+from batchserve.runner.core.config import Config, ConfigError, RunnerConfig, parse
 from batchserve.runner.models import Model, ModelError
 
 ROOT = Path(__file__).parents[1]

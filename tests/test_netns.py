@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from batchserve.runner.handshake import Refused, greet
-from batchserve.runner.wire import FrameSocket
+from batchserve.runner.core.handshake import Refused, greet
+from batchserve.runner.core.wire import FrameSocket
 from tests.conftest import ROOT, Server, start_server, wait_for
 from tests.netns import Host, Network, unavailable
 from tests.test_remote import TOKEN, Runner, make_certificates, metric, start_runner, stop_runner

@@ -11,7 +11,7 @@ import pytest
 
 from batchserve.api.app import create_app
 from batchserve.api.overload import Shedder, watch
-from batchserve.runner.config import parse
+from batchserve.runner.core.config import parse
 from tests.conftest import Server
 
 pytestmark = pytest.mark.anyio

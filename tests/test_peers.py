@@ -15,7 +15,7 @@ import numpy as np
 import orjson
 import pytest
 
-from batchserve.api.load_result import summarize
+from batchserve.api.bench.load_result import summarize
 from benchmarks.peers import report
 from benchmarks.peers.cpu import server_cpu
 from benchmarks.peers.launch import WrongAnswer, check, started

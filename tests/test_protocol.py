@@ -27,8 +27,8 @@ from batchserve.api.protocol import (
     parse_header_length,
     server_metadata,
 )
-from batchserve.runner.config import Batching, RunnerConfig, TensorSpec
-from batchserve.runner.types import DATATYPES
+from batchserve.runner.core.config import Batching, RunnerConfig, TensorSpec
+from batchserve.runner.core.types import DATATYPES
 
 MLP = RunnerConfig(
     name="mlp",

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from batchserve.runner import ragged
-from batchserve.runner.adaptive import AdaptivePolicy
-from batchserve.runner.config import ConfigError, RunnerConfig, load, parse
+from batchserve.runner.core import ragged
+from batchserve.runner.core.config import ConfigError, RunnerConfig, load, parse
 from batchserve.runner.dispatcher import synthetic_inputs
-from batchserve.runner.latency_model import Timing
-from batchserve.runner.policy import Request
+from batchserve.runner.policy.adaptive import AdaptivePolicy
+from batchserve.runner.policy.base import Request
+from batchserve.runner.policy.latency_model import Timing
 from batchserve.runner.text_model import VOCAB, PaddedText, RaggedText
 
 RAGGED = """

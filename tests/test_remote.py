@@ -19,13 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchserve.runner.wire import (
-    PROTOCOL_VERSION,
-    Failure,
-    FailureCode,
-    FrameSocket,
-    Hello,
-)
+from batchserve.runner.core.wire import PROTOCOL_VERSION, Failure, FailureCode, FrameSocket, Hello
 from tests.conftest import BATCHSERVE, START_S, Server, start_server, wait_for
 
 RUNNER = """

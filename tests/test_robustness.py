@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from batchserve.api.loadgen import run_load
+from batchserve.api.bench.loadgen import run_load
 from tests.conftest import Server, cmdline, wait_for
 
 BUSY = """

@@ -1,4 +1,5 @@
-"""Readings of /metrics, their differences and PromQL-style quantiles (batchserve.api.scrape)."""
+"""Readings of /metrics, their differences and PromQL-style quantiles
+(batchserve.api.bench.scrape)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 
 import pytest
 
-from batchserve.api.scrape import Scrape, bucket_delta, delta, histogram_quantile
+from batchserve.api.bench.scrape import Scrape, bucket_delta, delta, histogram_quantile
 
 TEXT = """\
 # HELP batchserve_batch_time_ratio ratio

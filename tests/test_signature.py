@@ -14,10 +14,10 @@ import pytest
 from batchserve.api.dispatch import Link
 from batchserve.api.errors import BadRequest
 from batchserve.api.protocol import decode_infer
-from batchserve.runner.config import RunnerConfig, TensorSpec, parse
+from batchserve.runner.core.config import RunnerConfig, TensorSpec, parse
+from batchserve.runner.core.signature import Signature, SignatureError, fits, shape_text, show
+from batchserve.runner.core.wire import Address, Call, Failure, FailureCode, Result
 from batchserve.runner.server import Connection
-from batchserve.runner.signature import Signature, SignatureError, fits, shape_text, show
-from batchserve.runner.wire import Address, Call, Failure, FailureCode, Result
 from tests.test_dispatcher import RUNNER, Gate, dispatcher
 
 MULTI = Signature(RunnerConfig(

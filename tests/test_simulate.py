@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from batchserve.runner.batch_times import BatchTimer
-from batchserve.runner.policies import make_policy
-from batchserve.runner.policy import Batch, Request, Step
-from batchserve.runner.recording import load_recording
-from batchserve.runner.scenario import (
+from batchserve.runner.policy.base import Batch, Request, Step
+from batchserve.runner.policy.policies import make_policy
+from batchserve.runner.sim.batch_times import BatchTimer
+from batchserve.runner.sim.recording import load_recording
+from batchserve.runner.sim.scenario import (
     Contention,
     Cost,
     ScenarioError,
@@ -23,7 +23,7 @@ from batchserve.runner.scenario import (
     load_scenario,
     parse_scenario,
 )
-from batchserve.runner.simulate import (
+from batchserve.runner.sim.simulate import (
     _answered,
     _Trace,
     arrivals,

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from batchserve.api.loadgen import loop_factory
+from batchserve.api.bench.loadgen import loop_factory
 from benchmarks.soak import Soak, soak
 from tests.conftest import ROOT, start_server
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from batchserve.api.supervisor import Child
-from batchserve.runner.timeouts import Timeouts
+from batchserve.runner.core.timeouts import Timeouts
 from tests.conftest import Server, wait_for
 
 TIMEOUTS = Timeouts()

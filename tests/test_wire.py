@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from batchserve.runner.types import DATATYPES
-from batchserve.runner.wire import (
+from batchserve.runner.core.types import DATATYPES
+from batchserve.runner.core.wire import (
     STAGE_BYTES,
     Address,
     Call,

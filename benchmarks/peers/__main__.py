@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from batchserve.api.load_result import LoadResult
-from batchserve.api.loadgen import loop_factory
+from batchserve.api.bench.load_result import LoadResult
+from batchserve.api.bench.loadgen import loop_factory
 from benchmarks.busy import beside, busy
 from benchmarks.peers import model_limit, report
 from benchmarks.peers.peer import FEATURES, ROOT, VENVS, Peer, make_shim

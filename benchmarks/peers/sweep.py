@@ -15,8 +15,8 @@ from pathlib import Path
 
 import orjson
 
-from batchserve.api.load_result import LoadResult
-from batchserve.api.loadgen import run_load
+from batchserve.api.bench.load_result import LoadResult
+from batchserve.api.bench.loadgen import run_load
 from benchmarks.load import cpu_between, run_queue_s
 from benchmarks.peers.cpu import server_cpu
 from benchmarks.peers.launch import started

@@ -4,11 +4,11 @@
 [--cap N] [--seed S] [--json]`. Time is virtual: the policy sees the simulator's
 clock, a batch of n rows costs `(intercept + per_item * n) * lognormal(0, noise)` of CPU (or a
 recorded batch's), its wall time is that cost inflated by contention, a heavy tail and stalls
-when the scenario asks for them (`batchserve.runner.batch_times`), and Poisson traffic is
+when the scenario asks for them (`batchserve.runner.sim.batch_times`), and Poisson traffic is
 played phase by phase. Arrivals and request sizes come from their own random stream, so every
 policy meets exactly the same requests for a given seed.
 
-Scenario files are read and checked by `batchserve.runner.scenario`.
+Scenario files are read and checked by `batchserve.runner.sim.scenario`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from batchserve.runner.batch_times import BatchTimer
-from batchserve.runner.latency_model import Timing
-from batchserve.runner.policies import NAMES, make_policy
-from batchserve.runner.policy import Batch, Policy, Request
-from batchserve.runner.scenario import Cost, Phase, Scenario, load_scenario
+from ..policy.base import Batch, Policy, Request
+from ..policy.latency_model import Timing
+from ..policy.policies import NAMES, make_policy
+from .batch_times import BatchTimer
+from .scenario import Cost, Phase, Scenario, load_scenario
 
 DEFAULT_FIXED_WINDOW_MS = 5.0
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from batchserve.api.bench_report import Report
+from .report import Report
 
 INSTALL_HINT = "--plot needs matplotlib: pip install 'batchserve[plot]'"
 

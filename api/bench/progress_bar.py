@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from batchserve.api.loadgen import Progress
+from .loadgen import Progress
 
 WIDTH = 30
 

@@ -1,9 +1,9 @@
 """The adaptive batching policy: the product the baselines are measured against.
 
 Deadline-aware admission, a bounded hold under load and a closed-form cap, all driven by the latency
-model in `batchserve.runner.latency_model` (docs/dispatcher.md). It honours the contract
-in `batchserve.runner.policy` and is built by name through
-`batchserve.runner.policies.make_policy("adaptive", ...)`.
+model in `batchserve.runner.policy.latency_model` (docs/dispatcher.md). It honours the contract
+in `batchserve.runner.policy.base` and is built by name through
+`batchserve.runner.policy.policies.make_policy("adaptive", ...)`.
 """
 
 from __future__ import annotations
@@ -15,15 +15,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from batchserve.runner.latency_model import (
-    Fit,
-    LatencyModel,
-    RateEstimator,
-    RecentQuantile,
-    Timing,
-    fit_samples,
-)
-from batchserve.runner.policy import Batch, PolicyStats, Reason, Request, Step
+from .base import Batch, PolicyStats, Reason, Request, Step
+from .latency_model import Fit, LatencyModel, RateEstimator, RecentQuantile, Timing, fit_samples
 
 HOLD_MIN_ARRIVALS = 2.0
 """A hold is worth it only if at least this many requests are expected to arrive during it;

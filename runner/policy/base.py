@@ -1,8 +1,8 @@
 """Batching policies: pure decisions over a request queue, driven by an injected clock.
 
 A policy owns no socket, task or thread. The live dispatcher (`batchserve.runner.dispatcher`) and
-the discrete-event simulator (`batchserve.runner.simulate`) drive the very same object through four
-calls:
+the discrete-event simulator (`batchserve.runner.sim.simulate`) drive the very same object
+through four calls:
 
     offer(request, now) -> bool         admit a request, or refuse it at once (HTTP 503)
     poll(now) -> Step                   when the model is free, after an arrival, on a wake-up
@@ -13,10 +13,10 @@ At most one batch is in flight: `poll` returns a batch only when the previous on
 Requests whose deadline passes while queued come back in `Step.expired` and are answered 503
 without any compute spent on them.
 
-`AdaptivePolicy` (in `batchserve.runner.adaptive`) is the product, explained in docs/dispatcher.md;
-`GreedyPolicy` and the baselines in `batchserve.runner.baselines` are what it is measured against.
-`batchserve.runner.policies.make_policy` builds any of them by name for the live runner and the
-simulator.
+`AdaptivePolicy` (in `batchserve.runner.policy.adaptive`) is the product, explained in
+docs/dispatcher.md; `GreedyPolicy` and the baselines in `batchserve.runner.policy.baselines` are
+what it is measured against. `batchserve.runner.policy.policies.make_policy` builds any of them by
+name for the live runner and the simulator.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from batchserve.runner.latency_model import Timing
+from .latency_model import Timing
 
 Reason = Literal["idle", "full", "deadline", "window", "cap"]
 """Why a batch was released: the model was idle with work queued (`idle`), the batch reached

@@ -3,7 +3,7 @@
 - The token is read from the file `transport.token_file` names, else from the environment
   variable `BATCHSERVE_TOKEN`; surrounding whitespace is dropped and at least 16 characters
   must remain. When a runner has one, every connection (unix or TCP) must prove it holds it
-  in the handshake (`batchserve.runner.handshake`), and the runner proves it back.
+  in the handshake (`batchserve.runner.core.handshake`), and the runner proves it back.
 - A TCP link requires a token unless `transport.insecure: true` says the network itself is
   trusted; a unix socket may go without, since its folder's permissions guard it.
 - TLS (`transport.tls`) encrypts TCP links and, with `api_ca`, makes a runner require a
@@ -17,8 +17,8 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchserve.runner.config import Config, ConfigError, TlsConfig
-from batchserve.runner.wire import Address
+from .config import Config, ConfigError, TlsConfig
+from .wire import Address
 
 TOKEN_ENV = "BATCHSERVE_TOKEN"
 MIN_TOKEN_CHARS = 16

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from batchserve.runner.types import Tensors
+from .types import Tensors
 
 if TYPE_CHECKING:
-    from batchserve.runner.config import BatchInputKind, RunnerConfig, TensorSpec
+    from .config import BatchInputKind, RunnerConfig, TensorSpec
 
 BATCH_INPUTS: dict[BatchInputKind, Callable[[np.ndarray], np.ndarray]] = {
     "element_count": lambda counts: counts,

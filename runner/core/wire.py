@@ -24,7 +24,7 @@ Tensor data starts 8-byte aligned within the body so numpy and torch can view it
 BYTES elements are laid out as the v2 binary tensor extension lays them out, behind the
 total size of that layout so a reader can bounds-check it before reading an element.
 
-A connection opens with a handshake before any call (see `batchserve.runner.handshake`): the
+A connection opens with a handshake before any call (see `batchserve.runner.core.handshake`): the
 runner sends a Hello, the API answers with its own, the runner accepts with a Welcome or refuses
 with a Failure (code HANDSHAKE) and closes. A Hello's version comes first and is all that a peer
 speaking another version is sure to read: a change to any frame changes `PROTOCOL_VERSION`.
@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from batchserve.runner.types import BYTES, DATATYPES, Tensors
+from .types import BYTES, DATATYPES, Tensors
 
 _LENGTH = struct.Struct("<I")
 _HEAD = struct.Struct("<BQ")

@@ -15,7 +15,7 @@ input is a numpy object array whose every element is `bytes`.
 A runner whose inputs are `ragged` or `pad` takes one sequence a request: such a request is
 one row, whatever its length, and is never cut, so each input must hold 1 to
 `max_batch_elements` elements. What it costs the batching policy is counted here too, by
-`Signature.cost`: its rows, or for those runners its elements (`batchserve.runner.ragged`).
+`Signature.cost`: its rows, or for those runners its elements (`batchserve.runner.core.ragged`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from batchserve.runner import ragged
-from batchserve.runner.config import Layout, RunnerConfig, TensorSpec
-from batchserve.runner.types import BYTES, DATATYPES
+from . import ragged
+from .config import Layout, RunnerConfig, TensorSpec
+from .types import BYTES, DATATYPES
 
 __all__ = ["Signature", "SignatureError", "batch_rows", "fits", "shape_text", "show"]
 

@@ -1,6 +1,6 @@
 """Scenario files for the simulator: reading, checking and typing them.
 
-A scenario is the traffic and the model cost that `batchserve.runner.simulate` plays on its
+A scenario is the traffic and the model cost that `batchserve.runner.sim.simulate` plays on its
 virtual clock. It is read with `yaml.safe_load` into frozen values; an error names the dotted
 path, the value and what was expected.
 
@@ -27,7 +27,8 @@ clock, its wall time, is that cost inflated by what a shared machine adds:
       tail: {share: 0.05, scale: 2.0, alpha: 3}     # 5% of batches: wall * 2 * Pareto(3)
       stalls: {probability: 0.002, ms: 200}         # 0.2% of batches: wall + 200 ms
 
-`batchserve.runner.batch_times` applies them; docs/dispatcher.md, "The simulator", gives the laws.
+`batchserve.runner.sim.batch_times` applies them; docs/dispatcher.md, "The simulator", gives the
+laws.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from batchserve.runner.recording import Recording, RecordingError, load_recording
+from .recording import Recording, RecordingError, load_recording
 
 
 class ScenarioError(ValueError):

@@ -18,9 +18,9 @@ from typing import Any, Literal, get_args
 import numpy as np
 import yaml
 
-from batchserve.runner.timeouts import Timeouts
-from batchserve.runner.types import DATATYPES
-from batchserve.runner.wire import ADDRESS_FORMS, Address
+from .timeouts import Timeouts
+from .types import DATATYPES
+from .wire import ADDRESS_FORMS, Address
 
 Choice = Literal["random", "least_loaded_of_two"]
 """How an API worker picks one of a runner's connected processes for a request (the
@@ -53,7 +53,8 @@ class TensorSpec:
 Layout = Literal["rows", "ragged", "pad"]
 """How an input's requests join into a batch: stacked as rows along the batch dimension
 (`rows`), or, for a flat input of one sequence a request, concatenated into one flat tensor
-(`ragged`) or padded to the longest in the batch as rows (`pad`); see `batchserve.runner.ragged`."""
+(`ragged`) or padded to the longest in the batch as rows (`pad`); see
+`batchserve.runner.core.ragged`."""
 
 BatchInputKind = Literal[
     "element_count", "accumulated_element_count", "accumulated_element_count_with_zero"
@@ -162,7 +163,7 @@ class TlsConfig:
 
 @dataclass(frozen=True, slots=True)
 class TransportConfig:
-    """How API workers and runners trust each other (see `batchserve.runner.security`)."""
+    """How API workers and runners trust each other (see `batchserve.runner.core.security`)."""
 
     token_file: Path | None = None
     insecure: bool = False  # TCP without a token: only on a network nobody else can reach

@@ -6,23 +6,15 @@
 - `BentoMLPolicy`: BentoML's dispatcher rule as read in its source, re-implemented here as an
   honest baseline.
 
-All honour the same contract as `batchserve.runner.adaptive.AdaptivePolicy`, so the simulator drives
-them the same way.
+All honour the same contract as `batchserve.runner.policy.adaptive.AdaptivePolicy`, so the
+simulator drives them the same way.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from batchserve.runner.policy import (
-    Batch,
-    PolicyStats,
-    Reason,
-    Request,
-    Step,
-    WithoutModel,
-    take_in_order,
-)
+from .base import Batch, PolicyStats, Reason, Request, Step, WithoutModel, take_in_order
 
 
 class FixedPolicy(WithoutModel):

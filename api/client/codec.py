@@ -32,8 +32,8 @@ from typing import Any, Final
 import numpy as np
 import orjson
 
-from batchserve.runner.signature import batch_rows
-from batchserve.runner.types import BYTES, DATATYPES, Tensors
+from ...runner.core.signature import batch_rows
+from ...runner.core.types import BYTES, DATATYPES, Tensors
 
 __all__ = [
     "HEADER_LENGTH",

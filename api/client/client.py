@@ -1,6 +1,6 @@
 """A Python client for batchserve, or any Open Inference Protocol v2 server over HTTP.
 
-Three front ends over one core, `batchserve.api.client_codec`:
+Three front ends over one core, `batchserve.api.client.codec`:
 
     ModelClient          blocking calls; the chunks of a large batch go out on a thread pool
     AsyncModelClient     the same calls as coroutines, over httpx's async client
@@ -32,7 +32,8 @@ from urllib.parse import quote
 import numpy as np
 import orjson
 
-from batchserve.api.client_codec import (
+from ...runner.core.types import Tensors
+from .codec import (
     ChunkingStrategy,
     DeadlineExceeded,
     ModelMetadata,
@@ -48,7 +49,6 @@ from batchserve.api.client_codec import (
     split_along,
     split_first_dim,
 )
-from batchserve.runner.types import Tensors
 
 try:
     import httpx

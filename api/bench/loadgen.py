@@ -3,7 +3,7 @@
 Why open loop: a closed-loop client sends its next request only after the last answer, so a
 stalled server also stalls the client and the stall never shows up in the latencies
 ("coordinated omission"). Here every send time is drawn before the run starts (a Poisson
-process, steady or shaped, see ``batchserve.api.traffic``), and a request's latency runs from
+process, steady or shaped, see ``batchserve.api.bench.traffic``), and a request's latency runs from
 that *scheduled* time: any wait -- in the server, in the client-side queue when every
 connection is busy, or in this generator's own timer -- is charged to the request.
 
@@ -25,16 +25,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import cast
 
-from batchserve.api.http1 import ProtocolError, ResponseParser, Target
-from batchserve.api.load_result import (
-    TIMEOUT,
-    TRANSPORT_ERROR,
-    LoadResult,
-    Sends,
-    status_name,
-    summarize,
-)
-from batchserve.api.traffic import Pattern, schedule
+from .http1 import ProtocolError, ResponseParser, Target
+from .load_result import TIMEOUT, TRANSPORT_ERROR, LoadResult, Sends, status_name, summarize
+from .traffic import Pattern, schedule
 
 PROGRESS_PERIOD_S = 0.2
 

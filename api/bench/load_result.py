@@ -1,6 +1,6 @@
 """What one open-loop run measured, computed from per-request records (pure, no I/O).
 
-Apart from `batchserve.api.loadgen` so the numbers a run reports can be checked on made-up
+Apart from `batchserve.api.bench.loadgen` so the numbers a run reports can be checked on made-up
 records, without a server or a clock.
 """
 

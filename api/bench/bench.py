@@ -1,10 +1,11 @@
 """`batchserve bench`: sweep a v2 infer endpoint with open-loop load and report what it measured.
 
-Why apart from `batchserve.api.loadgen`: the generator knows HTTP/1.1 and arrival schedules but
-nothing of the Open Inference Protocol; this module builds the v2 request body it sends (JSON or
-binary tensors, the way `tritonclient.http` would) and is the command line around it: one run
-per rate of the sweep, the server's own figures read around each (`batchserve.api.probe`), the
-report written as a table, JSON and a plot (`bench_report`, `bench_plot`).
+Why apart from `batchserve.api.bench.loadgen`: the generator knows HTTP/1.1 and arrival
+schedules but nothing of the Open Inference Protocol; this module builds the v2 request body it
+sends (JSON or binary tensors, the way `tritonclient.http` would) and is the command line around
+it: one run per rate of the sweep, the server's own figures read around each
+(`batchserve.api.bench.probe`), the report written as a table, JSON and a plot (`report`,
+`plot`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from typing import get_args
 import numpy as np
 import orjson
 
-from batchserve.api import bench_plot, probe
-from batchserve.api.bench_report import Report, Step, markdown, warnings
-from batchserve.api.loadgen import loop_factory, run_load
-from batchserve.api.progress_bar import ProgressBar
-from batchserve.api.scrape import Scrape
-from batchserve.api.traffic import Pattern
+from . import plot, probe
+from .loadgen import loop_factory, run_load
+from .progress_bar import ProgressBar
+from .report import Report, Step, markdown, warnings
+from .scrape import Scrape
+from .traffic import Pattern
 
 DEFAULT_LIMIT_MS = 100.0
 FAILED = 1
@@ -133,8 +134,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--limit-ms must be positive"
     if args.plot is not None:
         try:
-            bench_plot.require()
-        except bench_plot.PlotUnavailable as exc:
+            plot.require()
+        except plot.PlotUnavailable as exc:
             return str(exc)
     return None
 
@@ -193,7 +194,7 @@ def _write(args: argparse.Namespace, report: Report) -> None:
     if args.markdown is not None:
         args.markdown.write_text(table)
     if args.plot is not None:
-        bench_plot.plot(report, args.plot)
+        plot.plot(report, args.plot)
 
 
 def _complain(report: Report) -> int:

@@ -23,7 +23,7 @@ import random
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from batchserve.runner.scenario import Cost
+from .scenario import Cost
 
 
 class BatchTime(NamedTuple):

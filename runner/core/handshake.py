@@ -25,7 +25,7 @@ import hmac
 import secrets
 import struct
 
-from batchserve.runner.wire import (
+from .wire import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
     Failure,

@@ -1,7 +1,7 @@
 """Every batching policy by name: the one place the live runner and the simulator build one.
 
-The policies' common types live in `batchserve.runner.policy`, which knows none of them; this module
-knows them all, so neither imports the other in a circle.
+The policies' common types live in `batchserve.runner.policy.base`, which knows none of them;
+this module knows them all, so neither imports the other in a circle.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from batchserve.runner.adaptive import AdaptivePolicy
-from batchserve.runner.baselines import BentoMLPolicy, FixedPolicy, NoBatchingPolicy
-from batchserve.runner.policy import GreedyPolicy, Policy
+from .adaptive import AdaptivePolicy
+from .base import GreedyPolicy, Policy
+from .baselines import BentoMLPolicy, FixedPolicy, NoBatchingPolicy
 
 FACTORIES: dict[str, Callable[..., Policy]] = {
     "adaptive": AdaptivePolicy,

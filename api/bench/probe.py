@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import urllib.error
 
-from batchserve.api.scrape import Scrape, fetch
+from .scrape import Scrape, fetch
 
 BATCH_SIZE = "batchserve_adaptive_batch_size"
 LATENCY_LIMIT = "batchserve_runner_latency_limit_seconds"

@@ -1,7 +1,7 @@
 """A sweep's results as `batchserve bench` reports them: JSON, a markdown table, warnings.
 
 One :class:`Step` per rate of the sweep: what the client measured (a
-:class:`~batchserve.api.load_result.LoadResult`) and what the server said it did (its mean
+:class:`~batchserve.api.bench.load_result.LoadResult`) and what the server said it did (its mean
 batch size). The table keeps the columns a user compares across rates; the JSON keeps
 everything.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from batchserve.api.load_result import LoadResult
+from .load_result import LoadResult
 
 SEND_SHORTFALL = 0.95
 """Below this share of the offered rate actually sent, the client is said to be the bottleneck."""
