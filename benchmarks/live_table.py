@@ -29,12 +29,13 @@ from pathlib import Path
 
 import orjson
 
+from batchserve.api.bench.cpu import cpu_between, tree_cpu
 from batchserve.api.bench.loadgen import loop_factory
 from batchserve.api.bench.scrape import Scrape, bucket_delta, delta, fetch, histogram_quantile
+from batchserve.api.bench.server import serve
 from benchmarks.busy import beside, busy
 from benchmarks.live_clients import Client, OwnClient, RunResult, SharedClient
 from benchmarks.live_report import Row, Window, markdown, overload_markdown, summary
-from benchmarks.load import cpu_between, serve, tree_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "mlp"
@@ -80,7 +81,7 @@ def observed(base: str, root: int, act: Callable[[], T]) -> tuple[T, Window]:
 def fresh_server(args: argparse.Namespace, what: str) -> Iterator[tuple[str, int]]:
     """A newly started server for ``what``; its log is kept in ``args.logs``."""
     log = args.logs / f"server-{what}.log"
-    with serve(args, log) as (base, root):
+    with serve(args, log, cwd=ROOT) as (base, root):
         yield base, root
 
 
@@ -152,7 +153,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--readme", type=Path, help="also put the tables into this file, between "
                    f"the lines {README_START!r} and {README_END!r}")
     args = p.parse_args(argv)
-    args.port = 0  # benchmarks.load.serve picks a free port
+    args.port = 0  # batchserve.api.bench.server.serve picks a free port
     args.overload_seconds = args.overload_seconds or args.seconds
     args.recovery_seconds = args.recovery_seconds or args.seconds
     args.logs = Path(tempfile.mkdtemp(prefix=f"batchserve-live-{os.getpid()}-"))

@@ -8,7 +8,8 @@ the same 2 cores and so takes its share from the server.
 Server CPU is utime+stime from ``/proc/<pid>/stat`` summed over the supervisor's process
 tree, sampled before and after each rate. Only processes alive at both samples count (keyed
 by pid and start time, so a reused pid is not mistaken for its predecessor); a process that
-exits mid-rate takes its CPU with it, and the table says how many did.
+exits mid-rate takes its CPU with it, and the table says how many did
+(``batchserve.api.bench.cpu``; the server is started by ``batchserve.api.bench.server``).
 
     python benchmarks/load.py --rates 100,1000,1600 --seconds 20 [--binary] [--profile DIR]
 """
@@ -17,159 +18,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
 from batchserve.api.bench.bench import infer_body
+from batchserve.api.bench.cpu import CpuDelta, cmdline, cpu_between, process_tree, tree_cpu
 from batchserve.api.bench.load_result import LoadResult
 from batchserve.api.bench.loadgen import loop_factory, run_load
+from batchserve.api.bench.server import serve
 
 ROOT = Path(__file__).resolve().parent.parent
-TICK = os.sysconf("SC_CLK_TCK")
-
-ProcKey = tuple[int, int]  # (pid, start time in ticks): unique across pid reuse
-
-
-# -- process tree CPU
-
-
-@dataclass(frozen=True)
-class ProcStat:
-    pid: int
-    ppid: int
-    session: int
-    start: int
-    cpu_ticks: int
-
-
-def read_stat(pid: int) -> ProcStat | None:
-    """One ``/proc/<pid>/stat``; None when the process is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name is in parentheses and may itself hold spaces or parentheses.
-    fields = raw[raw.rindex(")") + 2 :].split()
-    utime, stime, start = int(fields[11]), int(fields[12]), int(fields[19])
-    return ProcStat(pid, int(fields[1]), int(fields[3]), start, utime + stime)
-
-
-def process_tree(root: int) -> list[ProcStat]:
-    """``root`` and all its descendants, found by walking parent links in ``/proc``."""
-    stats = [s for p in os.listdir("/proc") if p.isdigit() and (s := read_stat(int(p)))]
-    children: dict[int, list[ProcStat]] = {}
-    for stat in stats:
-        children.setdefault(stat.ppid, []).append(stat)
-    tree = [s for s in stats if s.pid == root]
-    for stat in tree:  # grows while iterating: a breadth-first walk
-        tree.extend(children.get(stat.pid, []))
-    return tree
-
-
-def run_queue_s(pid: int) -> float:
-    """Seconds the live threads of ``pid`` have spent runnable but waiting for a core (the
-    second field of each ``/proc/<pid>/task/<tid>/schedstat``): how long the scheduler kept
-    the process from the work it had. 0 when the process is gone; a thread that exited takes
-    its share with it."""
-    total = 0
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
-    return total / 1e9
-
-
-def tree_cpu(root: int) -> dict[ProcKey, int]:
-    return {(s.pid, s.start): s.cpu_ticks for s in process_tree(root)}
-
-
-@dataclass(frozen=True)
-class CpuDelta:
-    seconds: float
-    processes: int
-    exited: int
-    started: int
-
-
-def cpu_between(before: dict[ProcKey, int], after: dict[ProcKey, int]) -> CpuDelta:
-    """CPU spent between two samples by the processes present in both."""
-    both = before.keys() & after.keys()
-    ticks = sum(after[k] - before[k] for k in both)
-    return CpuDelta(ticks / TICK, len(both), len(before.keys() - both), len(after.keys() - both))
-
-
-def cmdline(pid: int) -> str:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-    return ""
-
-
-# -- the server under test
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    """Poll ``/v2/health/ready`` until it answers 200, the server dies or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with status {proc.returncode} before ready")
-        with contextlib.suppress(urllib.error.URLError, OSError):
-            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=1.0) as response:
-                if response.status == 200:
-                    return
-        time.sleep(0.2)
-    raise RuntimeError(f"server at {url} not ready after {timeout:g} s")
-
-
-def batchserve_command() -> list[str]:
-    """The ``batchserve`` script next to this interpreter, else the one on PATH."""
-    script = Path(sys.executable).with_name("batchserve")
-    return [str(script)] if script.exists() else ["batchserve"]
-
-
-@contextlib.contextmanager
-def serve(args: argparse.Namespace, log: Path) -> Iterator[tuple[str, int]]:
-    """Start ``batchserve serve``; yield (base URL, supervisor pid); SIGTERM it after."""
-    port = args.port or free_port()
-    cmd = batchserve_command() + ["serve", "--config", str(args.config), "--port", str(port)]
-    cmd += ["--api-workers", str(args.api_workers)]
-    url = f"http://127.0.0.1:{port}"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    try:
-        wait_ready(url, proc, args.ready_timeout)
-        yield url, proc.pid
-    finally:
-        stop(proc)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        print(f"server {proc.pid} ignored SIGTERM for 15 s; killing it", file=sys.stderr)
-        proc.kill()
-        proc.wait()
 
 
 # -- one rate
@@ -320,7 +185,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     log = Path(tempfile.gettempdir()) / f"batchserve-bench-{os.getpid()}.log"
     report: dict[str, object] = {"server_log": str(log)}
-    with serve(args, log) as (base, root), asyncio.Runner(loop_factory=loop_factory()) as runner:
+    with serve(args, log, cwd=ROOT) as (base, root), \
+            asyncio.Runner(loop_factory=loop_factory()) as runner:
         url = f"{base}/v2/models/{args.model}/infer"
         report["processes"] = {s.pid: cmdline(s.pid) for s in process_tree(root)}
         body, headers = infer_body(args.rows, 256, binary=args.binary)

@@ -29,7 +29,7 @@ import orjson
 from batchserve.api.bench.load_result import LoadResult
 from batchserve.api.bench.loadgen import loop_factory, run_load
 from batchserve.api.bench.scrape import bucket_delta, fetch
-from benchmarks.load import serve
+from batchserve.api.bench.server import serve
 from benchmarks.soak import server_rss
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shutil.copy(ROOT / "tests" / "fixture_models.py", folder / "fixture_models.py")
     (folder / "configuration.yml").write_text(CONFIG)
     args.config, args.port, args.api_workers = folder / "configuration.yml", 0, 2
-    with serve(args, folder / "server.log") as (url, root), \
+    with serve(args, folder / "server.log", cwd=ROOT) as (url, root), \
             asyncio.Runner(loop_factory=loop_factory()) as runner:
         target = f"{url}/v2/models/busy/infer"
         headers = {"Content-Type": "application/json"}

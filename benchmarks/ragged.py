@@ -30,10 +30,11 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from batchserve.api.bench.server import serve
 from batchserve.api.client import AsyncModelClient
 from batchserve.runner.text_model import VOCAB
-from benchmarks.load import serve
 
+ROOT = Path(__file__).resolve().parent.parent
 CONFIG = Path(__file__).resolve().parent / "ragged_text" / "configuration.yml"
 PAIRS = (("ragged", "pad"), ("encoded_ragged", "encoded_pad"))
 """Runners of one model each: ragged first, then padded."""
@@ -132,9 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = argparse.Namespace(config=CONFIG, port=0, api_workers=args.api_workers,
                                  ready_timeout=300.0)
     runs = []
-    with tempfile.TemporaryDirectory() as folder, serve(options, Path(folder) / "server.log") as (
-        url, _pid
-    ):
+    with tempfile.TemporaryDirectory() as folder, serve(
+        options, Path(folder) / "server.log", cwd=ROOT
+    ) as (url, _pid):
         for pair in PAIRS:
             for runner in pair:
                 asyncio.run(drive(url, runner, warmup, args.concurrency))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -27,9 +26,11 @@ from pathlib import Path
 import orjson
 
 from batchserve.api.bench.bench import infer_body
+from batchserve.api.bench.cpu import cmdline, cpu_by_pid, server_cpu
 from batchserve.api.bench.loadgen import loop_factory, run_load
-from benchmarks.load import ROOT, cmdline, serve
-from benchmarks.peers.cpu import server_cpu
+from batchserve.api.bench.server import serve
+
+ROOT = Path(__file__).resolve().parent.parent
 
 STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model forward (torch)", ("torch/",)),
@@ -105,9 +106,7 @@ def window(runner: asyncio.Runner, root: int, url: str, rate: float, seconds: fl
         _, err = proc.communicate(timeout=seconds + 60)
         if proc.returncode != 0:
             raise RuntimeError(f"py-spy failed: {err.decode(errors='replace').strip()}")
-    tick = float(os.sysconf("SC_CLK_TCK"))
-    cpu = {key[0]: (after[key] - before[key]) / tick for key in before.keys() & after.keys()}
-    return load.sent, cpu
+    return load.sent, cpu_by_pid(before, after)
 
 
 def per_step(sent: int, cpu: dict[int, float], counts: dict[int, Counter[str]]
@@ -156,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_args = argparse.Namespace(port=0, config=ROOT / "configuration.yml", api_workers=2,
                                     ready_timeout=120.0)
     tables, plain, windows = {}, {}, {}
-    with serve(serve_args, args.out / "server.log") as (base, root), \
+    with serve(serve_args, args.out / "server.log", cwd=ROOT) as (base, root), \
             asyncio.Runner(loop_factory=loop_factory()) as runner:
         url = f"{base}/v2/models/mlp/infer"
         window(runner, root, url, 200.0, 3.0, None)  # warm-up

@@ -22,8 +22,9 @@ from pathlib import Path
 import orjson
 
 from batchserve.api.bench.bench import infer_body
+from batchserve.api.bench.cpu import process_tree
 from batchserve.api.bench.loadgen import loop_factory, run_load
-from benchmarks.load import process_tree, serve
+from batchserve.api.bench.server import serve
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.port = 0
     log = Path(tempfile.mkdtemp(prefix="batchserve-soak-")) / "server.log"
-    with serve(args, log) as (url, root), asyncio.Runner(loop_factory=loop_factory()) as runner:
+    with serve(args, log, cwd=ROOT) as (url, root), \
+            asyncio.Runner(loop_factory=loop_factory()) as runner:
         result = soak(url, root, args.rate, args.seconds, args.window, runner)
     print(result.report())
     if args.json:

@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchserve.api.bench.load_result import LoadResult
 from batchserve.api.bench.loadgen import loop_factory, run_load
-from benchmarks.load import batchserve_command
+from batchserve.api.bench.server import batchserve_command
 from tests.netns import Host, Network, unavailable
 
 ROOT = Path(__file__).resolve().parent.parent

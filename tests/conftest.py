@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from batchserve.api.bench.cpu import process_tree
+
 ROOT = Path(__file__).resolve().parent.parent
 BATCHSERVE = str(Path(sys.executable).parent / "batchserve")
 READY = re.compile(r"batchserve ready at http://([\d.]+):(\d+) \(pid (\d+)\)")
@@ -63,20 +65,7 @@ def cmdline(pid: int) -> bytes:
 
 
 def descendants(pid: int) -> list[int]:
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parents.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, frontier = [], [pid]
-    while frontier:
-        children = parents.get(frontier.pop(), [])
-        found.extend(children)
-        frontier.extend(children)
-    return found
+    return [stat.pid for stat in process_tree(pid) if stat.pid != pid]
 
 
 def start_server(config: Path, *args: str, prefix: Sequence[str] = ()) -> Server:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from batchserve.api.bench.cpu import TICK, read_stat, run_queue_s
 from benchmarks.busy import beside, busy
-from benchmarks.load import TICK, read_stat, run_queue_s
 from tests.conftest import wait_for
 
 

@@ -15,9 +15,9 @@ import numpy as np
 import orjson
 import pytest
 
+from batchserve.api.bench.cpu import server_cpu
 from batchserve.api.bench.load_result import summarize
 from benchmarks.peers import report
-from benchmarks.peers.cpu import server_cpu
 from benchmarks.peers.launch import WrongAnswer, check, started
 from benchmarks.peers.model_limit import reference
 from benchmarks.peers.servers import PEERS

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.load import free_port
+from batchserve.api.bench.server import free_port
 from benchmarks.peers.peer import OUTPUTS, ROOT, Peer
 
 TOLERANCE = 1e-4

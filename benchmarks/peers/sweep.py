@@ -2,7 +2,8 @@
 
 Rounds alternate the servers' order (forward, then reversed), so a drift of the shared machine
 over the session hits all of them alike. Server CPU is that of every process in the
-server's session, read from ``/proc`` around each rate (see ``benchmarks.peers.cpu``).
+server's session, read from ``/proc`` around each rate (see
+``batchserve.api.bench.cpu.server_cpu``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from pathlib import Path
 
 import orjson
 
+from batchserve.api.bench.cpu import cpu_between, run_queue_s, server_cpu
 from batchserve.api.bench.load_result import LoadResult
 from batchserve.api.bench.loadgen import run_load
-from benchmarks.load import cpu_between, run_queue_s
-from benchmarks.peers.cpu import server_cpu
 from benchmarks.peers.launch import started
 from benchmarks.peers.peer import Peer
 
