@@ -11,9 +11,11 @@ A request's size for the policy is its cost (`Signature.cost`): its rows, or for
 pad inputs its elements, bounded by `max_batch_elements`; such a request is one sequence,
 one row of the outputs, and never cut.
 
-The gauges are republished every `RunnerMetrics.PUBLISH_S` on the event loop as well as after
-batches, so a scrape of an idle runner reads idle; a rejection is counted once per whole
-request, when its one answer goes out.
+The gauges are republished after batches (at most every `RunnerMetrics.GAUGE_PERIOD_S`) and,
+once traffic stops, every `RunnerMetrics.PUBLISH_S` until they read idle, so a scrape of an
+idle runner reads idle while the idle runner sets no timer; counts are tallied in the process
+and written out with the gauges and whenever the dispatcher falls idle. A rejection is counted
+once per whole request, when its one answer goes out.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ from .policy.latency_model import Timing
 
 log = logging.getLogger(__name__)
 EXIT_HUNG = 70  # the process exits with this when its model thread never came back
+IDLE_RPS = 1e-4
+"""An estimated arrival rate below this reads as no traffic: the gauges stop being
+republished once they show it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,10 +215,15 @@ class Dispatcher:
         self._tick()  # the fit is known before traffic
 
     def _tick(self) -> None:
-        """Republish the gauges, traffic or not: a scrape must not see a busy moment long past."""
+        """Republish the gauges after traffic until they read idle (no request held, the
+        arrival rate decayed to nothing): a scrape must not see a busy moment long past, and
+        an idle runner sets no timer. An arrival starts the ticks again."""
         assert self._loop is not None
-        self.metrics.publish(self.policy.stats(self.clock()), force=True)
-        self._ticker = self._loop.call_later(self.metrics.PUBLISH_S, self._tick)
+        self._ticker = None
+        stats = self.policy.stats(self.clock())
+        self.metrics.publish(stats, force=True)
+        if self._jobs or stats.arrival_rps >= IDLE_RPS:
+            self._ticker = self._loop.call_later(self.metrics.PUBLISH_S, self._tick)
 
     def _time(self, rows: int, tensors: Tensors) -> Timing:
         started, cpu = self.clock(), self.cpu_clock()
@@ -273,6 +283,8 @@ class Dispatcher:
         if not self._accepting:
             self._reply(reply, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
             return
+        if self._ticker is None and self._loop is not None:
+            self._ticker = self._loop.call_later(self.metrics.PUBLISH_S, self._tick)
         now = self.clock()
         deadline = now + min(budget_s, self.max_latency_s)
         cost = self.signature.cost(tensors, rows)
@@ -357,6 +369,7 @@ class Dispatcher:
         self._arm(step.wake_at, now)
         if not self._busy and not self._jobs:
             self._idle.set()
+            self.metrics.flush()  # a scrape after the last answer counts all of it
 
     def _arm(self, wake_at: float | None, now: float) -> None:
         timer = self._timer
@@ -526,6 +539,8 @@ class Dispatcher:
             reason = _REJECTION_REASONS.get(result.code)
             if reason is not None:
                 self.metrics.rejected(reason)
+                if not self._jobs and not self._busy:
+                    self.metrics.flush()
         reply(result)
 
     # --- refits, off the critical path --------------------------------------------------------

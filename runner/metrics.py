@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import os
 import time
+from bisect import bisect_left
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -32,6 +33,61 @@ def registry() -> CollectorRegistry:
     collected = CollectorRegistry()
     MultiProcessCollector(collected)  # type: ignore[no-untyped-call]
     return collected
+
+class Tally:
+    """Observations for one histogram child, kept in this process and written in bulk.
+
+    A multiprocess metric takes a lock, a pid check and a write to its file at every
+    observation, each bucket and sum apart: per request that costs more than the request's
+    own bookkeeping. A tally counts into a list instead (`bisect` finds the bucket, as
+    Prometheus's `le` bounds read), and `flush` adds what it gathered to the metric, one write
+    per bucket touched; `counter`, if given, counts the observations too.
+    """
+
+    __slots__ = ("histogram", "counter", "bounds", "counts", "total", "count")
+
+    def __init__(self, histogram: Any, counter: Any = None) -> None:
+        self.histogram, self.counter = histogram, counter
+        self.bounds: list[float] = list(histogram._upper_bounds)
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def flush(self) -> None:
+        if not self.count:
+            return
+        buckets = self.histogram._buckets
+        for index, count in enumerate(self.counts):
+            if count:
+                buckets[index].inc(count)
+                self.counts[index] = 0
+        self.histogram._sum.inc(self.total)
+        if self.counter is not None:
+            self.counter.inc(self.count)
+        self.total, self.count = 0.0, 0
+
+
+class Count:
+    """A counter child's increments, kept in this process and written in bulk (see `Tally`)."""
+
+    __slots__ = ("counter", "count")
+
+    def __init__(self, counter: Any) -> None:
+        self.counter, self.count = counter, 0
+
+    def inc(self) -> None:
+        self.count += 1
+
+    def flush(self) -> None:
+        if self.count:
+            self.counter.inc(self.count)
+            self.count = 0
+
 
 METHOD = "__call__"
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048)
@@ -118,25 +174,35 @@ def open_batch_log(runner: str) -> TextIO | None:
 
 
 class RunnerMetrics:
-    """The metric children of one runner, resolved once so the hot path does no lookups."""
+    """The metric children of one runner, resolved once so the hot path does no lookups.
+
+    Batches and rejections are tallied in the process (`Tally`, `Count`) and written out by
+    `flush`: with the gauges every `GAUGE_PERIOD_S` while batches run, and whenever the
+    dispatcher falls idle, so a scrape after the last answer reads every request of it.
+    """
 
     GAUGE_PERIOD_S = 0.1
     PUBLISH_S = 1.0
-    """How often the dispatcher republishes its gauges while idle: a scrape sees state at most
-    this old, and an arrival rate decays to zero within a few periods of the last arrival."""
+    """How often the dispatcher republishes its gauges after traffic, until they read idle: a
+    scrape sees state at most this old, and an arrival rate decays to zero within a few
+    periods of the last arrival."""
 
     def __init__(self, runner: str, latency_limit_s: float = 0.0) -> None:
         self.runner = runner
         starts.labels(runner).inc()
         latency_limit.labels(runner).set(latency_limit_s)
         # Every reason's series exists from the start, so a rate over it reads 0, not nothing.
-        self._rejections = {reason: rejections.labels(runner, reason)
+        self._rejections = {reason: Count(rejections.labels(runner, reason))
                             for reason in REJECTION_REASONS}
-        self._batch_size = batch_size.labels(runner, METHOD)
-        self._queue_wait = queue_wait.labels(runner)
-        self._duration = batch_duration.labels(runner)
-        self._ratio = batch_time_ratio.labels(runner)
-        self._cpu = batch_cpu.labels(runner)
+        self._batches: dict[str, Count] = {}
+        self._batch_size = Tally(batch_size.labels(runner, METHOD))
+        self._queue_wait = Tally(queue_wait.labels(runner))
+        self._duration = Tally(batch_duration.labels(runner))
+        self._ratio = Tally(batch_time_ratio.labels(runner))
+        self._cpu = Tally(batch_cpu.labels(runner))
+        self._tallies: list[Tally | Count] = [
+            *self._rejections.values(), self._batch_size, self._queue_wait, self._duration,
+            self._ratio, self._cpu]
         self._gauges = {field: gauge.labels(runner) for field, gauge in gauges.items()}
         self._published = 0.0
         self._log = open_batch_log(runner)
@@ -151,7 +217,11 @@ class RunnerMetrics:
         self._cpu.observe(cpu_s)
         if batch.predicted_s > 0.0:
             self._ratio.observe((finished - started) / batch.predicted_s)
-        batches.labels(self.runner, batch.reason).inc()
+        count = self._batches.get(batch.reason)
+        if count is None:
+            count = self._batches[batch.reason] = Count(batches.labels(self.runner, batch.reason))
+            self._tallies.append(count)
+        count.inc()
         observe = self._queue_wait.observe
         for request in batch.requests:
             observe(max(0.0, started - request.arrival))
@@ -159,24 +229,33 @@ class RunnerMetrics:
             self._log.write(f"{batch.rows},{finished - started:.7f},{cpu_s:.7f}\n")
 
     def close(self) -> None:
+        self.flush()
         if self._log is not None:
             self._log.close()
             self._log = None
 
     def rejected(self, reason: str) -> None:
         """One whole request answered 503 by the runner, for `reason`."""
-        counter = self._rejections.get(reason)
-        if counter is None:
-            counter = self._rejections[reason] = rejections.labels(self.runner, reason)
-        counter.inc()
+        count = self._rejections.get(reason)
+        if count is None:
+            count = self._rejections[reason] = Count(rejections.labels(self.runner, reason))
+            self._tallies.append(count)
+        count.inc()
+
+    def flush(self) -> None:
+        """Write what was tallied since the last flush to the metrics."""
+        for tally in self._tallies:
+            tally.flush()
 
     def publish(self, stats: PolicyStats, force: bool = False) -> None:
-        """Copy the policy's live state into the gauges, at most every GAUGE_PERIOD_S unless
-        `force` (the periodic publish), which also flushes the batch log."""
+        """Copy the policy's live state into the gauges and flush the tallies, at most every
+        GAUGE_PERIOD_S unless `force` (the periodic publish), which also flushes the batch
+        log."""
         now = time.monotonic()
         if not force and now - self._published < self.GAUGE_PERIOD_S:
             return
         self._published = now
+        self.flush()
         for field, gauge in self._gauges.items():
             gauge.set(getattr(stats, field))
         if force and self._log is not None:

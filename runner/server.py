@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import os
 import signal
@@ -82,7 +83,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.outbox = Outbox(self.transport)  # type: ignore[arg-type]
+        self.outbox = Outbox(self.transport, self._take_started)  # type: ignore[arg-type]
         self.live.add(self)
         tune(transport, self.timeouts.link_idle_s)
         self.greeting = opening(self.runner.name, self.runner.batching.max_batch_size)
@@ -91,7 +92,9 @@ class Connection(asyncio.BufferedProtocol):
             self.timeouts.hello_timeout_s, self._hello_overdue)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
+        # The outbox holds a method of this connection: drop the cycle now, or each closed
+        # connection's buffers wait for a full collection, which an idle runner rarely runs.
+        self.transport = self.outbox = None
         self.live.discard(self)
         if self._overdue is not None:
             self._overdue.cancel()
@@ -173,14 +176,15 @@ class Connection(asyncio.BufferedProtocol):
             self._send(Result(ident, result))
 
     def _started(self, ident: int) -> None:
-        """Gather the calls a batch starts into one Started frame, sent after this turn."""
-        if not self._starting:
-            asyncio.get_running_loop().call_soon(self._send_started)
+        """Gather the calls a batch starts into one Started frame, written with whatever
+        else this turn writes (the answers of the batch before)."""
         self._starting.append(ident)
+        if self.outbox is not None:
+            self.outbox.wake()
 
-    def _send_started(self) -> None:
+    def _take_started(self) -> Started | None:
         calls, self._starting = self._starting, []
-        self._send(Started(tuple(calls)))
+        return Started(tuple(calls)) if calls else None
 
     def _send(self, message: Result | Failure | Started | Pong | Welcome) -> None:
         if self.transport is not None and self.outbox is not None:
@@ -219,6 +223,9 @@ async def serve(config: Config, runner: RunnerConfig, address: Address,
     live: set[Connection] = set()
     timeouts = config.timeouts
     signature = Signature(runner)
+    # What start-up built (the model, its libraries) lives as long as the process: the
+    # collector need not walk it again at every full collection.
+    gc.freeze()
     server = await address.serve(
         lambda: Connection(runner, dispatcher, live, keys.token, timeouts, signature), tls)
     stop = asyncio.Event()

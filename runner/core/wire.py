@@ -172,23 +172,44 @@ Chunks = list[bytes | memoryview]
 # --- encoding ---------------------------------------------------------------------------------
 
 
+_Header = tuple[bytes, struct.Struct]
+_HEADERS: dict[tuple[str, np.dtype[Any], int], _Header] = {}
+"""A tensor header's fixed part (name, dtype, rank) and the packer of its shape, by what
+makes it: a runner's few inputs and outputs come again in every frame."""
+_SHAPES = [struct.Struct(f"<{ndim}q") for ndim in range(256)]
+
+
+def _header(name: str, dtype: np.dtype[Any], ndim: int) -> _Header:
+    key = (name, dtype, ndim)
+    header = _HEADERS.get(key)
+    if header is None:
+        code = _DTYPE_CODES.get(dtype)
+        if code is None:
+            raise WireError(f"tensor {name!r} has dtype {dtype}, which the wire cannot carry")
+        encoded = name.encode()
+        if len(encoded) > 255:
+            raise WireError(f"tensor name {name!r} is over 255 bytes")
+        header = (bytes([len(encoded)]) + encoded + bytes([code, ndim]), _SHAPES[ndim])
+        if len(_HEADERS) < 4096:  # names come from signatures: few, unless a peer invents them
+            _HEADERS[key] = header
+    return header
+
+
 def _tensor_chunks(name: str, array: np.ndarray, offset: int, out: Chunks) -> int:
     """Append one tensor's header, padding and data; return the new body offset."""
-    code = _DTYPE_CODES.get(array.dtype)
-    if code is None:
-        raise WireError(f"tensor {name!r} has dtype {array.dtype}, which the wire cannot carry")
-    encoded = name.encode()
-    header = struct.pack(f"<B{len(encoded)}sBB{array.ndim}q", len(encoded), encoded, code,
-                         array.ndim, *array.shape)
-    offset += len(header)
+    fixed, shape = _header(name, array.dtype, array.ndim)
+    offset += len(fixed) + shape.size
     pad = -offset % 8
-    out.append(header + b"\0" * pad)
+    out.append(fixed + shape.pack(*array.shape) + _PADS[pad])
     offset += pad
     if array.dtype == BYTES:
         return offset + _bytes_chunks(name, array, out)
     data = np.ascontiguousarray(array)
     out.append(memoryview(data).cast("B"))  # type: ignore[arg-type]
     return offset + data.nbytes
+
+
+_PADS = [b"\0" * pad for pad in range(8)]
 
 
 def _bytes_chunks(name: str, array: np.ndarray, out: Chunks) -> int:
@@ -203,9 +224,11 @@ def _bytes_chunks(name: str, array: np.ndarray, out: Chunks) -> int:
     return _SIZE.size + len(data)
 
 
-def _tensors_chunks(tensors: Tensors, offset: int, out: Chunks) -> None:
+def _tensors_chunks(tensors: Tensors, offset: int, out: Chunks) -> int:
+    """Append every tensor after a head of `offset` bytes; return the body's size."""
     for name, array in tensors.items():
         offset = _tensor_chunks(name, array, offset, out)
+    return offset
 
 
 def encode(message: Message) -> Chunks:
@@ -215,31 +238,38 @@ def encode(message: Message) -> Chunks:
         head = _HEAD.pack(Kind.CALL, message.id) + _CALL.pack(
             message.budget_s, message.rows, len(message.tensors), len(message.group)
         ) + _group_bytes(message.group)
-        _tensors_chunks(message.tensors, len(head), out)
+        size = _tensors_chunks(message.tensors, len(head), out)
     elif isinstance(message, Result):
         head = _HEAD.pack(Kind.RESULT, message.id) + _COUNT.pack(len(message.tensors))
-        _tensors_chunks(message.tensors, len(head), out)
-    elif isinstance(message, Failure):
-        head = _HEAD.pack(Kind.FAILURE, message.id) + _FAILURE.pack(
-            message.code, message.retry_after_s) + message.message.encode()
-    elif isinstance(message, Started):
-        calls = message.calls
-        head = _HEAD.pack(Kind.STARTED, message.id) + struct.pack(f"<I{len(calls)}Q", len(calls),
-                                                                   *calls)
-    elif isinstance(message, Hello):
-        head = _HEAD.pack(Kind.HELLO, message.id) + _hello_bytes(message)
-    elif isinstance(message, Welcome):
-        head = _HEAD.pack(Kind.WELCOME, message.id) + _short(message.proof, "proof")
+        size = _tensors_chunks(message.tensors, len(head), out)
     else:
-        head = _HEAD.pack(Kind.PING if isinstance(message, Ping) else Kind.PONG, message.id)
-    size = len(head) + sum(len(chunk) for chunk in out[1:])
+        head = _plain_head(message)
+        size = len(head)
     if size >= MAX_FRAME:
         raise WireError(f"a frame of {size} bytes exceeds the wire's limit of {MAX_FRAME}")
     out[0] = _LENGTH.pack(size) + head
     return out
 
 
+def _plain_head(message: Message) -> bytes:
+    """The whole body of a message that carries no tensors."""
+    if isinstance(message, Failure):
+        return _HEAD.pack(Kind.FAILURE, message.id) + _FAILURE.pack(
+            message.code, message.retry_after_s) + message.message.encode()
+    if isinstance(message, Started):
+        calls = message.calls
+        return _HEAD.pack(Kind.STARTED, message.id) + struct.pack(
+            f"<I{len(calls)}Q", len(calls), *calls)
+    if isinstance(message, Hello):
+        return _HEAD.pack(Kind.HELLO, message.id) + _hello_bytes(message)
+    if isinstance(message, Welcome):
+        return _HEAD.pack(Kind.WELCOME, message.id) + _short(message.proof, "proof")
+    return _HEAD.pack(Kind.PING if isinstance(message, Ping) else Kind.PONG, message.id)
+
+
 def _group_bytes(group: tuple[str, ...]) -> bytes:
+    if not group:
+        return b""
     if len(group) > 255:
         raise WireError(f"a call's group of {len(group)} values is over 255")
     parts: list[bytes] = []
@@ -252,6 +282,8 @@ def _group_bytes(group: tuple[str, ...]) -> bytes:
 
 
 def _read_group(body: bytearray, offset: int, count: int) -> tuple[tuple[str, ...], int]:
+    if not count:
+        return (), offset
     values = []
     for _ in range(count):
         (size,) = _GROUP_VALUE.unpack_from(body, offset)
@@ -301,22 +333,35 @@ def _read_hello(body: bytearray, offset: int) -> Hello:
 # --- decoding ---------------------------------------------------------------------------------
 
 
+_NAMES: dict[bytes, str] = {}
+"""Tensor names read from frames, decoded once."""
+
+
+def _read_name(body: bytearray, offset: int) -> tuple[str, int]:
+    end = offset + 1 + body[offset]
+    raw = bytes(body[offset + 1 : end])
+    name = _NAMES.get(raw)
+    if name is None:
+        name = raw.decode()
+        if len(_NAMES) < 4096:
+            _NAMES[raw] = name
+    return name, end
+
+
 def _read_tensors(body: bytearray, offset: int, count: int) -> Tensors:
     tensors: Tensors = {}
     view = memoryview(body)
     for _ in range(count):
-        name_len = body[offset]
-        name = bytes(body[offset + 1 : offset + 1 + name_len]).decode()
-        offset += 1 + name_len
+        name, offset = _read_name(body, offset)
         code, ndim = body[offset], body[offset + 1]
         offset += 2
         if code >= len(_DTYPES):
             raise WireError(f"tensor {name!r} has unknown dtype code {code}")
-        shape = struct.unpack_from(f"<{ndim}q", body, offset)
+        shape = _SHAPES[ndim].unpack_from(body, offset)
         offset += 8 * ndim
         offset += -offset % 8
         dtype = _DTYPES[code]
-        if min(shape, default=0) < 0:
+        if ndim and min(shape) < 0:
             raise WireError(f"tensor {name!r} has shape {list(shape)}")
         if dtype == BYTES:
             tensors[name], offset = _read_bytes(name, body, offset, shape)
@@ -461,21 +506,34 @@ class Outbox:
     """Messages for one transport, written together once per event-loop turn.
 
     A batch answers all its requests at once and a busy API worker sends many calls in
-    one turn: gathering them turns N write system calls into one.
+    one turn: gathering them turns N write system calls into one. `gather`, if given, is
+    asked for one last message just before each write (a runner's Started frame, which then
+    leaves in the same write as the answers of the batch before).
     """
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+    def __init__(self, transport: asyncio.Transport,
+                 gather: Callable[[], Message | None] | None = None) -> None:
         self.transport = transport
+        self.gather = gather
         self._chunks: Chunks = []
+        self._due = False
 
     def put(self, message: Message) -> None:
-        if not self._chunks:
-            asyncio.get_running_loop().call_soon(self._flush)
         self._chunks.extend(encode(message))
+        self.wake()
+
+    def wake(self) -> None:
+        """Write at the end of this turn, whatever is put by then."""
+        if not self._due:
+            self._due = True
+            asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
+        self._due = False
+        if self.gather is not None and (last := self.gather()) is not None:
+            self._chunks.extend(encode(last))
         chunks, self._chunks = self._chunks, []
-        if not self.transport.is_closing():
+        if chunks and not self.transport.is_closing():
             self.transport.writelines(chunks)
 
 
