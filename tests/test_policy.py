@@ -173,24 +173,46 @@ def steady(policy: AdaptivePolicy, rate: float, seconds: float) -> list[tuple[fl
     return released
 
 
-def test_the_hold_is_a_slice_of_the_limit_or_a_few_intercepts_whichever_is_less() -> None:
+def test_the_hold_gathers_the_rows_at_which_the_intercept_is_half_the_batch() -> None:
     policy = adaptive()
-    assert policy.hold_s(0.0005) == pytest.approx(0.005)  # 10 intercepts = 5 % of 100 ms
-    assert policy.hold_s(0.0002) == pytest.approx(0.002)  # 10 intercepts
-    assert policy.hold_s(0.005) == pytest.approx(0.005)  # 5 % of the limit
+    # 1,600 rows/s, intercept 0.5 ms, 0.07 ms a row: one at a time the model would be busy
+    # 91% of the time; 0.5 / 0.07 = 7.14 rows halve the fixed cost, and come in 4.46 ms.
+    assert policy.hold_s(0.0005, 0.00007, 1600) == pytest.approx(0.0005 / 0.00007 / 1600)
+    # The 20 rows it takes to amortise a 2 ms intercept arrive in 12.5 ms at 1,600/s...
+    assert policy.hold_s(0.002, 0.0001, 1600) == pytest.approx(0.0125)
+    # ...and however many it would take, the hold is never longer than a fifth of the limit.
+    assert policy.hold_s(0.005, 0.00001, 1000) == pytest.approx(0.2 * SLO)
+
+
+def test_nothing_is_held_while_the_model_would_mostly_idle() -> None:
+    policy = adaptive()
+    # 100 rows/s at 0.57 ms each keep a model busy 5.7% of the time: no hold.
+    assert policy.hold_s(0.0005, 0.00007, 100) == 0.0
+    # Just under and just over half the time.
+    assert policy.hold_s(0.0005, 0.00007, 870) == 0.0
+    assert policy.hold_s(0.0005, 0.00007, 880) > 0.0
+
+
+def test_nothing_is_held_near_capacity_where_the_queue_fills_batches_itself() -> None:
+    policy = adaptive()
+    # Batches of 10 rows (5 ms + 10 * 0.5 ms) at 800 rows/s keep the model busy 80% of the
+    # time: a hold there would only spend deadlines.
+    assert policy.hold_s(0.005, 0.0005, 800) == 0.0
+    assert policy.hold_s(0.002, 0.0005, 400) == pytest.approx(0.002 / 0.0005 / 400)
 
 
 def test_under_load_a_short_hold_gathers_batches_that_amortise_their_fixed_cost() -> None:
     policy = adaptive(intercept=0.0005, slope=0.00007)
     released = steady(policy, rate=1600, seconds=1.0)
     later = [(now, batch) for now, batch in released if now > 0.5]
-    assert policy.stats(1.0).window_s == pytest.approx(0.005)
-    assert policy.stats(1.0).target_rows == pytest.approx(8, rel=0.02)  # 5 ms at 1,600/s
-    # A batch leaves once it holds the target (a rate estimate a hair over or under 8)...
-    assert {len(batch.requests) for _, batch in later} <= {8, 9}
+    hold = 0.0005 / 0.00007 / 1600  # 7.14 rows, 4.46 ms
+    assert policy.stats(1.0).window_s == pytest.approx(hold, rel=0.02)
+    assert policy.stats(1.0).target_rows == pytest.approx(7.14, rel=0.02)
+    # A batch leaves once it holds the target (a rate estimate a hair over or under)...
+    assert {len(batch.requests) for _, batch in later} <= {7, 8}
     assert {batch.reason for _, batch in later} <= {"idle", "window"}
     # ...and its oldest request never waited past the hold.
-    assert all(now - batch.requests[0].arrival <= 0.005 + 1e-9 for now, batch in later)
+    assert all(now - batch.requests[0].arrival <= hold * 1.02 + 1e-9 for now, batch in later)
 
 
 def test_at_low_load_nothing_is_held() -> None:

@@ -70,10 +70,11 @@ class Tuning:
     """... and seconds between them ..."""
     refit_rows: int = 64
     """... and rows measured since the last one."""
-    hold_share: float = 0.05
-    """The longest hold for more rows, as a share of the latency limit ..."""
-    hold_intercepts: float = 10.0
-    """... and as a multiple of the batch intercept, whichever is shorter."""
+    hold_share: float = 0.2
+    """The longest hold for more rows, as a share of the latency limit."""
+    hold_load: float = 0.5
+    """The share of time the model runs that bounds the hold from both sides: one request at a
+    time must keep it busy at least this much, and amortised batches less (`hold_s`)."""
     tail_share: float = 0.5
     """The most of a request's time left that the heavy tail's reserve may take."""
     stall_after: float = 3.0
@@ -446,21 +447,30 @@ class AdaptivePolicy:
         intercept = self._fit.intercept_s
         self.target_rows = rows_rate * intercept
         self.window_s = max(0.0, intercept - 1.0 / request_rate) if request_rate > 0 else 0.0
-        hold = self.hold_s(intercept)
+        hold = self.hold_s(intercept, self._fit.slope_s, rows_rate)
         if request_rate * hold >= HOLD_MIN_ARRIVALS and hold > self.window_s:
             self.window_s = hold
             self.target_rows = max(self.target_rows, rows_rate * hold)
 
-    def hold_s(self, intercept_s: float) -> float:
+    def hold_s(self, intercept_s: float, slope_s: float, rows_per_s: float) -> float:
         """How long, under load, a batch may wait to amortise its fixed cost.
 
-        Each batch costs the machine more than its measured time: the wake-ups of the model
-        thread, the event loop and the API workers it answers, on cores those share. Under
-        load a short hold, a small slice of the latency limit and a few intercepts at most,
-        gathers batches large enough to amortise that (docs/dispatcher.md, "Release").
+        Each batch costs the machine more than its rows: its intercept (on a shared machine,
+        a model thread that wakes to cold caches), and the wake-ups of the event loop and the
+        API workers it answers, on cores they share. A hold gathers the rows at which the
+        intercept is half the batch (`intercept / slope`), for at most `hold_share` of the
+        latency limit, where that pays: while serving one request at a time would keep the
+        model busy at least `hold_load` of the time (below, the model is mostly idle and
+        nothing waits), and batches of that size would keep it busy less than that (above,
+        near capacity, the queue fills batches by itself and a hold only spends deadlines).
+        See docs/dispatcher.md, "Release".
         """
         tuning = self.tuning
-        return min(tuning.hold_share * self.max_latency_s, tuning.hold_intercepts * intercept_s)
+        if slope_s <= 0.0 or rows_per_s * (intercept_s + slope_s) < tuning.hold_load:
+            return 0.0
+        if 2.0 * rows_per_s * slope_s > tuning.hold_load:
+            return 0.0
+        return min(tuning.hold_share * self.max_latency_s, intercept_s / slope_s / rows_per_s)
 
     # --- decisions ------------------------------------------------------------------------
 
