@@ -28,9 +28,11 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ..runner.core.config import Choice
 from ..runner.core.handshake import Refused, answer, welcomed
@@ -75,22 +77,46 @@ class RunnerFailure(Exception):
         self.failure = failure
 
 
+Answer = Callable[[Message | Exception], None]
+"""Told a call's outcome exactly once: the runner's message, or why there is none."""
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A call sent on a link: whom to tell, and when to give up on the runner."""
+
+    answer: Answer
+    deadline: float
+
+
+def _tell(answer: Answer, outcome: Message | Exception) -> None:
+    """Tell one caller; what it raises is its own bug and must not stop the others."""
+    try:
+        answer(outcome)
+    except Exception:
+        log.exception("answering a call failed")
+
+
 class Link(asyncio.BufferedProtocol):
     """One connection to one runner process, with the calls waiting on it."""
 
     def __init__(
         self, runner: str, address: Address, timeouts: Timeouts = DEFAULT_TIMEOUTS,
         keys: Credentials = NO_KEYS, found_by: Discovery | None = None,
+        changed: Callable[[], None] = lambda: None,
     ) -> None:
         self.runner = runner
+        self.changed = changed  # told when the link connects or drops
         self.address = address
         self.timeouts = timeouts
         self.keys = keys
         self.found_by = found_by  # the DNS name this process was found by, if any
-        self.settled = asyncio.Event()  # a call was answered or given up
+        self.settled: asyncio.Event | None = None  # set when a call is settled, while leaving
         self.transport: asyncio.Transport | None = None  # set once the handshake passed
         self.outbox: Outbox | None = None
-        self.pending: dict[int, asyncio.Future[Message]] = {}
+        self.pending: dict[int, _Waiting] = {}
+        self._expiry: asyncio.TimerHandle | None = None
+        self._expiry_at = math.inf
         self.started: set[int] = set()  # pending calls whose batch went to the model
         self.reader = FrameReader()
         self.next_id = 0
@@ -124,11 +150,12 @@ class Link(asyncio.BufferedProtocol):
         where = f"runner {self.runner!r} at {self.address}"
         ran = Unavailable(f"{where} went away while running the request")
         waited = NotStarted(f"{where} went away before running the request")
-        for ident, future in pending.items():
-            if not future.done():
-                future.set_exception(ran if ident in started else waited)
+        self._disarm()
+        for ident, waiting in pending.items():
+            _tell(waiting.answer, ran if ident in started else waited)
         self.lost.set()
-        self.settled.set()
+        self._settle()
+        self.changed()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
@@ -144,15 +171,17 @@ class Link(asyncio.BufferedProtocol):
                 if isinstance(message, Started):
                     self.started.update(c for c in message.calls if c in self.pending)
                     continue
-                future = self.pending.pop(message.id, None)
-                if future is None or future.done():
+                waiting = self.pending.pop(message.id, None)
+                if waiting is None:
                     continue
-                if self._refused_unstarted(message):
-                    future.set_exception(NotStarted(
-                        f"runner {self.runner!r} at {self.address} is stopping and did not "
-                        "run the request; retry shortly", 1.0, "stopping"))
-                else:
-                    future.set_result(message)
+                refused = self._refused_unstarted(message)
+                self.started.discard(message.id)
+                _tell(waiting.answer, NotStarted(
+                    f"runner {self.runner!r} at {self.address} is stopping and did not "
+                    "run the request; retry shortly", 1.0, "stopping") if refused else message)
+            if not self.pending:
+                self._disarm()
+            self._settle()
         except WireError as exc:
             log.error("runner %s at %s sent a bad frame: %s", self.runner, self.address, exc)
             self.close()
@@ -185,6 +214,7 @@ class Link(asyncio.BufferedProtocol):
         self.transport, self._opening = opening, None
         self.outbox = Outbox(opening)
         self.greeted.set()
+        self.changed()
 
     def close(self) -> None:
         for transport in (self.transport, self._opening):
@@ -197,21 +227,72 @@ class Link(asyncio.BufferedProtocol):
             log.warning("runner %s at %s is unreachable: %s", self.runner, self.address, why)
             self._trouble = why
 
-    async def call(self, build: Callable[[int], Call | Ping]) -> Message:
-        """Send the message `build` makes for a fresh id and wait for its answer."""
+    def send(self, build: Callable[[int], Call | Ping], answer: Answer, deadline: float) -> None:
+        """Send the message `build` makes for a fresh id; `answer` is told its outcome once,
+        on the event loop, and a runner that has not answered by `deadline` (monotonic
+        seconds) is given up on (503)."""
         if self.outbox is None or not self.connected:
             raise Unavailable(f"runner {self.runner!r} at {self.address} is not connected")
         self.next_id += 1
         ident = self.next_id
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Message] = loop.create_future()
-        self.pending[ident] = future
+        self.pending[ident] = _Waiting(answer, deadline)
         self.outbox.put(build(ident))
+        if deadline < self._expiry_at:
+            self._arm(deadline)
+
+    async def call(self, build: Callable[[int], Call | Ping]) -> Message:
+        """Send the message `build` makes for a fresh id and wait for its answer (for pings
+        and tools; the request path uses `send`)."""
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+
+        def answer(outcome: Message | Exception) -> None:
+            if future.done():
+                return
+            if isinstance(outcome, Exception):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+        self.send(build, answer, math.inf)
+        ident = self.next_id
         try:
             return await future
         finally:  # cancelled by a caller's timeout: forget the call
-            self.pending.pop(ident, None)
+            if self.pending.pop(ident, None) is not None:
+                self.started.discard(ident)
+                self._settle()
+
+    def _arm(self, at: float) -> None:
+        """Wake at `at` to give up on calls past their deadline (none is armed while the link
+        holds no call: an idle link sets no timer)."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry_at = at
+        loop = asyncio.get_running_loop()
+        self._expiry = loop.call_at(loop.time() + max(0.0, at - time.monotonic()), self._expire)
+
+    def _disarm(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry, self._expiry_at = None, math.inf
+
+    def _expire(self) -> None:
+        """Answer 503 for every call whose runner is past its deadline; wake again at the next."""
+        self._expiry, self._expiry_at = None, math.inf
+        now = time.monotonic()
+        late = [ident for ident, waiting in self.pending.items() if waiting.deadline <= now]
+        for ident in late:
+            waiting = self.pending.pop(ident)
             self.started.discard(ident)
+            _tell(waiting.answer, Unavailable(f"runner {self.runner!r} did not answer in time"))
+        soonest = min((waiting.deadline for waiting in self.pending.values()), default=math.inf)
+        if soonest < math.inf:
+            self._arm(soonest)
+        if late:
+            self._settle()
+
+    def _settle(self) -> None:
+        if self.settled is not None:
             self.settled.set()
 
     async def maintain(self) -> None:
@@ -296,6 +377,7 @@ class Link(asyncio.BufferedProtocol):
     async def leave(self) -> None:
         """Close once every call in flight is answered (each is bounded by its caller's
         timeout), without taking new ones: the process left the runner."""
+        self.settled = asyncio.Event()
         while self.pending and self.connected:
             self.settled.clear()
             await self.settled.wait()
@@ -303,9 +385,12 @@ class Link(asyncio.BufferedProtocol):
 
     def abandon(self, error: Exception) -> None:
         """Fail every call still waiting on this link with `error` (the caller gives up)."""
-        for future in self.pending.values():
-            if not future.done():
-                future.set_exception(error)
+        pending, self.pending = self.pending, {}
+        self.started.clear()
+        self._disarm()
+        for waiting in pending.values():
+            _tell(waiting.answer, error)
+        self._settle()
 
 
 class Pool:
@@ -316,13 +401,16 @@ class Pool:
         self, runner: str, addresses: Sequence[Address], timeouts: Timeouts = DEFAULT_TIMEOUTS,
         keys: Credentials = NO_KEYS, resolver: Resolver = resolve,
         choice: Choice = "random", rng: random.Random | None = None,
+        changed: Callable[[], None] = lambda: None,
     ) -> None:
         self.runner = runner
+        self.changed = changed  # told when a process connects, drops, comes or goes
         self.choose = CHOOSERS[choice]
         self.rng = rng or random.Random()
         self.timeouts = timeouts
         self.keys = keys
-        self.links = [Link(runner, a, timeouts, keys) for a in addresses if not a.discovered]
+        self.links = [Link(runner, a, timeouts, keys, changed=changed)
+                      for a in addresses if not a.discovered]
         self.names = [Discovery(runner, a, timeouts.resolve_s, resolver)
                       for a in addresses if a.discovered]
         self._found: dict[Address, dict[Address, Link]] = {d.address: {} for d in self.names}
@@ -344,13 +432,15 @@ class Pool:
         if found == have.keys():
             return
         for address in found - have.keys():
-            link = have[address] = Link(self.runner, address, self.timeouts, self.keys, name)
+            link = have[address] = Link(self.runner, address, self.timeouts, self.keys, name,
+                                        self.changed)
             self.links.append(link)
             self._tasks[link] = asyncio.create_task(link.maintain())
         for address in have.keys() - found:
             self._retire(have.pop(address))
         log.info("runner %s: %s has %d process(es): %s", self.runner, name.address, len(found),
                  ", ".join(sorted(str(a) for a in found)) or "none")
+        self.changed()
 
     def _retire(self, link: Link) -> None:
         """Out of the choice now; closed once the calls it holds are answered."""
@@ -381,6 +471,8 @@ class Pool:
 
     def pick(self, besides: Link | None = None) -> Link:
         """A connected process (other than `besides`), as the runner's `choice` says."""
+        if besides is None and len(self.links) == 1 and self.links[0].connected:
+            return self.links[0]  # one process: nothing to choose
         links = self._connected(besides)
         if not links:
             raise Unavailable(f"no process of runner {self.runner!r} is reachable")
@@ -389,29 +481,87 @@ class Pool:
     def _connected(self, besides: Link | None = None) -> list[Link]:
         return [link for link in self.links if link.connected and link is not besides]
 
+    def submit(
+        self, tensors: Tensors, rows: int, budget_s: float, group: tuple[str, ...],
+        wait_s: float, done: Done,
+    ) -> None:
+        """Call a process with `tensors` of `rows` rows, checked against the signature; `done`
+        is told the outputs or the exception, once, on the event loop. If the process goes
+        away before running the call, it goes once more to another while the budget lasts (a
+        call that had started is never run twice). A runner silent for `wait_s` past the
+        budget is given up on: only a process that hangs as a whole gets that far."""
+        _Sent(self, tensors, rows, budget_s, group, wait_s, done).go(self.pick())
+
     async def infer(
-        self, tensors: Tensors, rows: int, budget_s: float, group: tuple[str, ...] = ()
+        self, tensors: Tensors, rows: int, budget_s: float, group: tuple[str, ...] = (),
+        wait_s: float = 3600.0,
     ) -> Tensors:
-        """Call a process with `tensors` of `rows` rows, checked against the signature; if it
-        goes away before running the call, once more on another while the budget lasts (a
-        call that had started is never run twice)."""
-        link = self.pick()
-        sent = time.monotonic()
+        """`submit`, awaited."""
+        future: asyncio.Future[Tensors] = asyncio.get_running_loop().create_future()
+
+        def done(outcome: Tensors | Exception) -> None:
+            if not future.done():
+                if isinstance(outcome, Exception):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(outcome)
+
+        self.submit(tensors, rows, budget_s, group, wait_s, done)
+        return await future
+
+
+Done = Callable[[Tensors | Exception], None]
+"""Told a request's outputs, or the exception that stands for its failure."""
+
+
+class _Sent:
+    """One request on its way to a runner process, and at most once more to another."""
+
+    __slots__ = ("pool", "tensors", "rows", "budget_s", "group", "wait_s", "done", "link",
+                 "sent", "again")
+
+    def __init__(self, pool: Pool, tensors: Tensors, rows: int, budget_s: float,
+                 group: tuple[str, ...], wait_s: float, done: Done) -> None:
+        self.pool, self.tensors, self.rows, self.group = pool, tensors, rows, group
+        self.budget_s, self.wait_s, self.done = budget_s, wait_s, done
+        self.link: Link | None = None
+        self.sent = 0.0
+        self.again = False
+
+    def go(self, link: Link) -> None:
+        self.link, self.sent = link, time.monotonic()
+        link.send(self.build, self.answer, self.sent + self.budget_s + self.wait_s)
+
+    def build(self, ident: int) -> Call:
+        return Call(ident, self.budget_s, self.rows, self.tensors, self.group)
+
+    def answer(self, outcome: Message | Exception) -> None:
+        if isinstance(outcome, Result):
+            self.done(outcome.tensors)
+        elif isinstance(outcome, Failure):
+            self.done(RunnerFailure(outcome))
+        elif isinstance(outcome, NotStarted) and self._retry():
+            return
+        elif isinstance(outcome, Exception):
+            self.done(outcome)
+        else:
+            self.done(WireError(f"runner {self.pool.runner!r} answered a call with "
+                                f"{type(outcome).__name__}"))
+
+    def _retry(self) -> bool:
+        """Send a call no process started to another one, once, while its budget lasts."""
+        pool, link = self.pool, self.link
+        left = self.budget_s - (time.monotonic() - self.sent)
+        if self.again or left <= 0 or not pool._connected(besides=link):
+            return False
+        log.info("runner %s: a call not started on %s goes to another process",
+                 pool.runner, link.address if link is not None else "?")
+        self.again, self.budget_s = True, left
         try:
-            message = await link.call(lambda ident: Call(ident, budget_s, rows, tensors, group))
-        except NotStarted:
-            left = budget_s - (time.monotonic() - sent)
-            if left <= 0 or not self._connected(besides=link):
-                raise
-            log.info("runner %s: a call not started on %s goes to another process",
-                     self.runner, link.address)
-            message = await self.pick(besides=link).call(
-                lambda ident: Call(ident, left, rows, tensors, group))
-        if isinstance(message, Result):
-            return message.tensors
-        if isinstance(message, Failure):
-            raise RunnerFailure(message)
-        raise WireError(f"runner {self.runner!r} answered a call with {type(message).__name__}")
+            self.go(pool.pick(besides=link))
+        except Unavailable as exc:
+            self.done(exc)
+        return True
 
 
 __all__ = ["FailureCode", "Link", "NotStarted", "Pool", "RunnerFailure"]

@@ -3,10 +3,11 @@
 When the machine is short of CPU, requests wait in an API worker's socket buffers and event
 loop before any of its code sees them, where no deadline can count them; served late, they
 only make the wait longer for everyone behind. So each worker measures how late its own event
-loop runs (`watch`: a timer every `PERIOD_S`), and while that lag stays above its target it
-answers a growing share of new inference requests with 503 and Retry-After, before reading
-or decoding them; the share falls back as soon as the lag does. A refusal costs a fraction
-of an answer, so shedding gives the CPU back to the requests that are kept.
+loop runs (`watch`: a timer every `PERIOD_S` while requests are in flight), and while that
+lag stays above its target it answers a growing share of new inference requests with 503
+and Retry-After, before reading or decoding them; the share falls back as soon as the lag
+does. A refusal costs a fraction of an answer, so shedding gives the CPU back to the
+requests that are kept.
 
 `Shedder` is the pure part (numbers in, a decision out); `watch` is the only part that
 touches the event loop. In-flight requests are bounded as well (`api.max_inflight`), which
@@ -16,13 +17,21 @@ bounds a worker's memory whatever the cause of the backlog.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PERIOD_S = 0.01
-"""How often a worker measures its loop's lag: 100 wake-ups a second, ~0.3% of a core."""
+"""How often a worker measures its loop's lag while requests are in flight: 100 wake-ups a
+second, next to nothing beside the requests themselves, and none while idle."""
+PUBLISH_S = 1.0
+"""How often a busy worker republishes its live gauges (in-flight calls per runner)."""
+DRAIN_TARGETS = 10.0
+"""How many lag targets behind the loop counts as far behind (see `Shedder.drain_s`)."""
+FORGOTTEN = 0.001
+"""A gate's share below this is no share at all: the runner stopped refusing."""
 LAG_FLOOR_S = 0.010
 """The least lag that counts as falling behind, whatever the limits: below it, a loop on
 shared cores is only waiting its turn for the scheduler."""
@@ -49,6 +58,7 @@ class Shedder:
     step_up: float = 0.05
     step_down: float = 0.01
     ceiling: float = 0.95
+    period_s: float = 0.01
     share: float = 0.0
     lag_s: float = 0.0
     recent: deque[float] = field(default_factory=deque)
@@ -63,22 +73,97 @@ class Shedder:
             self.share = min(self.ceiling, self.share + self.step_up)
         elif lag_s <= self.target_s:
             self.share = max(0.0, self.share - self.step_down)
+        if lag_s > self.drain_s and len(recent) > 1 and recent[-2] > self.drain_s:
+            # Far behind, twice in a row: the loop runs (period + lag) / period times slower
+            # than its work arrives; turn away at once what it cannot catch up with.
+            catch_up = 1.0 - (self.period_s + self.target_s) / (self.period_s + lag_s)
+            self.share = min(self.ceiling, max(self.share, catch_up))
+
+    @property
+    def drain_s(self) -> float:
+        """The lag past which a backlog is no burst to ride out: at ten targets (the whole
+        latency limit, for most runners) every request read now is late before it is
+        decoded, and a wait for the shedder's window would grow the backlog for another
+        window of late ticks."""
+        return DRAIN_TARGETS * self.target_s
 
     def admits(self, draw: float) -> bool:
         """Whether a request with a uniform `draw` in [0, 1) is served."""
         return draw >= self.share
 
 
+@dataclass(slots=True)
+class Gate:
+    """The share of one runner's new requests to refuse at the front while it refuses.
+
+    A runner decides admission by deadlines, and a refusal means more is offered than it can
+    take; but a request it refuses has cost its API worker a decode and a trip to the runner
+    and back first, so in overload the refusals themselves eat the CPU the answers need. The
+    gate turns the excess away at the front instead, before the body is read: every refusal
+    from the runner raises the share by `step` of what is still admitted, and without
+    refusals the share decays with time constant `tau_s`. At twice the runner's capacity it
+    settles where the runner still refuses a few percent of what it gets (it keeps deciding
+    at the margin, by deadlines) while the rest is refused for the cost of reading a header;
+    when the overload ends the share is gone within a few `tau_s`.
+    """
+
+    step: float = 0.02
+    tau_s: float = 0.1
+    ceiling: float = 0.95
+    share: float = 0.0
+    at: float = 0.0
+
+    def _decay(self, now: float) -> None:
+        if self.share and now > self.at:
+            self.share *= math.exp((self.at - now) / self.tau_s)
+            if self.share < FORGOTTEN:
+                self.share = 0.0
+        self.at = now
+
+    def shares(self, now: float) -> float:
+        """The share refused now (0 once it has decayed below `FORGOTTEN`)."""
+        self._decay(now)
+        return self.share
+
+    def refused(self, now: float) -> None:
+        """The runner refused a request the gate let through."""
+        self._decay(now)
+        self.share = min(self.ceiling, self.share + self.step * (1.0 - self.share))
+
+    def admits(self, draw: float, now: float) -> bool:
+        """Whether a request with a uniform `draw` in [0, 1) goes on to the runner."""
+        if not self.share:
+            return True
+        self._decay(now)
+        return draw >= self.share
+
+
 async def watch(
-    shedder: Shedder, period_s: float = PERIOD_S, clock: Callable[[], float] = time.monotonic,
+    shedder: Shedder, busy: Callable[[], bool], woken: asyncio.Event,
+    period_s: float = PERIOD_S, clock: Callable[[], float] = time.monotonic,
     record: Callable[[float], None] | None = None,
+    publish: Callable[[], None] | None = None, publish_s: float = PUBLISH_S,
 ) -> None:
     """Feed `shedder` the lag of this event loop, and `record` (the metric a user sees it
-    by), for as long as the task runs."""
+    by), for as long as the task runs; and call `publish` every `publish_s` meanwhile.
+
+    It ticks only while `busy()` (requests in flight, or a share still shed): an idle worker
+    sets no timer, and waits for `woken`, which every arrival sets. Going idle publishes once
+    more, so what was published last is the idle state."""
+    published = clock()
     while True:
+        if not busy():
+            if publish is not None:
+                publish()
+            woken.clear()
+            await woken.wait()
         started = clock()
         await asyncio.sleep(period_s)
-        lag_s = max(0.0, clock() - started - period_s)
+        now = clock()
+        lag_s = max(0.0, now - started - period_s)
         shedder.observe(lag_s)
         if record is not None:
             record(lag_s)
+        if publish is not None and now - published >= publish_s:
+            published = now
+            publish()

@@ -3,6 +3,10 @@
 The supervisor binds the listening socket once and hands its file descriptor to every
 worker, so all of them accept on the same port and a worker can be replaced alone.
 
+Inference requests are answered by `batchserve.api.connection`, uvicorn's HTTP protocol with
+the inference route taken off its ASGI path; the worker's main loop sleeps until a signal
+comes, where uvicorn's wakes ten times a second.
+
 A stop signal does not close the socket at once, as uvicorn would: the worker goes on
 accepting and answers every new request 503 (`stopping`) while the requests it holds finish,
 so a client is told to go elsewhere instead of waiting in a queue nobody reads. When they are
@@ -13,6 +17,8 @@ that grace period, and the worker exits 0. A second signal exits at once.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import gc
 import logging
 import os
 import socket
@@ -27,11 +33,14 @@ from ..runner.core.config import load
 from ..runner.core.security import credentials
 from ..runner.core.wire import Address
 from .app import App, create_app
+from .connection import protocol_for
 
 log = logging.getLogger("batchserve.api")
 FLUSH_S = 0.5
 """The least time uvicorn gets to write the last answers, even at the end of the grace
 period; it fits in the second a process has after its drain (`timeouts.EXIT_MARGIN_S`)."""
+DRAIN_TICK_S = 0.1
+"""How often a draining worker checks whether its requests are answered."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -45,9 +54,14 @@ class DrainingServer(uvicorn.Server):
         self.drain_s = drain_s
         self.ready_fd = ready_fd
         self.deadline: float | None = None
+        self.signalled: asyncio.Event | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.signalled = asyncio.Event()
         await super().startup(sockets)
+        gc.freeze()  # start-up's objects live as long as the worker: out of the collector's way
         # Serving, and a stop signal now drains: until here it killed the process (exit -15),
         # so the supervisor is ready only once every worker has said so.
         if self.ready_fd is not None:
@@ -63,6 +77,17 @@ class DrainingServer(uvicorn.Server):
             self.app.service.stop()
         else:
             self.should_exit = self.force_exit = True
+        if self.loop is not None and self.signalled is not None:
+            self.loop.call_soon_threadsafe(self.signalled.set)
+
+    async def main_loop(self) -> None:
+        """Sleep until a signal (uvicorn's loop ticks every 100 ms), then tick until the
+        drain is done."""
+        assert self.signalled is not None
+        if self.deadline is None and not self.should_exit:
+            await self.signalled.wait()
+        while not await self.on_tick(0):  # noqa: ASYNC110 - a deadline, polled while draining
+            await asyncio.sleep(DRAIN_TICK_S)
 
     async def on_tick(self, counter: int) -> bool:
         if self.deadline is not None and not self.should_exit:
@@ -104,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = DrainingServer(uvicorn.Config(
         app,
         loop="uvloop",
-        http="httptools",
+        http=protocol_for(app.service),
         lifespan="on",
         access_log=False,
         log_level="warning",

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from batchserve.api.choice import least_loaded_of_two
 from batchserve.api.dispatch import Link, Pool
 from batchserve.api.errors import Unavailable
 from batchserve.runner.core.config import Choice
-from batchserve.runner.core.wire import Address
+from batchserve.runner.core.wire import Address, Call, Failure, Outbox, Result, Started, encode
 
 
 class FakeTransport:
@@ -64,3 +67,92 @@ def test_least_loaded_of_two_weighs_the_calls_in_flight_on_each_link() -> None:
 
 def test_a_link_without_transport_is_not_connected() -> None:
     assert not Link("m", Address.parse("unix:/tmp/x.sock")).connected
+
+
+class WritingTransport(FakeTransport):
+    """An open transport that keeps what is written to it."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def writelines(self, chunks: list[bytes | memoryview]) -> None:
+        self.written.append(b"".join(bytes(chunk) for chunk in chunks))
+
+
+def connected_link(name: str = "unix:/tmp/m.sock") -> tuple[Link, WritingTransport]:
+    link = Link("m", Address.parse(name))
+    transport = WritingTransport()
+    link.transport = transport  # type: ignore[assignment]
+    link.outbox = Outbox(transport)  # type: ignore[arg-type]
+    return link, transport
+
+
+def hear(link: Link, message: Result | Failure | Started) -> None:
+    """The runner's frame arriving on the link's connection."""
+    data = b"".join(bytes(chunk) for chunk in encode(message))
+    buffer = link.get_buffer(len(data))
+    buffer[: len(data)] = data
+    link.buffer_updated(len(data))
+
+
+def test_a_runner_silent_past_a_calls_deadline_gets_a_503_and_leaves_no_timer() -> None:
+    async def scenario() -> list[object]:
+        link, transport = connected_link()
+        outcomes: list[object] = []
+        given_up = asyncio.Event()
+
+        def first(outcome: object) -> None:
+            outcomes.append(outcome)
+            given_up.set()
+
+        sent = asyncio.get_running_loop().time()
+        link.send(lambda ident: Call(ident, 0.05, 1, {}), first, time.monotonic() + 0.05)
+        link.send(lambda ident: Call(ident, 5.0, 1, {}), outcomes.append, time.monotonic() + 5)
+        await asyncio.sleep(0)
+        assert len(transport.written) == 1  # both calls in one write
+        await asyncio.wait_for(given_up.wait(), 5)
+        waited = asyncio.get_running_loop().time() - sent
+        assert 0.05 <= waited < 1.0
+        assert link._expiry is not None  # armed for the call still waiting
+        hear(link, Result(2, {}))
+        assert link._expiry is None and not link.pending
+        return outcomes
+
+    first, second = asyncio.run(scenario())
+    assert isinstance(first, Unavailable)
+    assert str(first) == "runner 'm' did not answer in time"
+    assert second == Result(2, {})
+
+
+def two_linked() -> Pool:
+    pool = Pool("m", [Address.parse(f"unix:/tmp/m-{i}.sock") for i in range(2)])
+    for link in pool.links:
+        link.transport = WritingTransport()  # type: ignore[assignment]
+        link.outbox = Outbox(link.transport)  # type: ignore[arg-type]
+    return pool
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_a_call_no_process_started_goes_once_to_another_and_a_started_one_never(
+    started: bool,
+) -> None:
+    async def scenario() -> list[object]:
+        pool, outcomes = two_linked(), []
+        pool.submit({}, 1, 5.0, (), 1.0, outcomes.append)
+        first = next(link for link in pool.links if link.pending)
+        other = next(link for link in pool.links if link is not first)
+        (ident,) = first.pending
+        if started:
+            hear(first, Started((ident,)))
+        first.connection_lost(None)
+        if not started:
+            assert not outcomes and len(other.pending) == 1  # sent on at once
+            hear(other, Result(next(iter(other.pending)), {"y": np.ones(1)}))
+        return outcomes
+
+    (outcome,) = asyncio.run(scenario())
+    if started:
+        assert isinstance(outcome, Unavailable)
+        assert "went away while running the request" in str(outcome)
+    else:
+        assert list(outcome) == ["y"]  # type: ignore[call-overload]

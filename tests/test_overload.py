@@ -53,13 +53,45 @@ def test_the_share_falls_back_when_the_lag_does_and_never_passes_the_ceiling() -
 
 async def test_watch_measures_how_long_the_loop_was_blocked_and_records_it() -> None:
     shedder, recorded = Shedder(), []
-    task = asyncio.create_task(watch(shedder, period_s=0.02, record=recorded.append))
+    task = asyncio.create_task(watch(shedder, lambda: True, asyncio.Event(), period_s=0.02,
+                                     record=recorded.append))
     await asyncio.sleep(0.01)  # the watcher is now asleep on its 20 ms timer
     time.sleep(0.05)  # noqa: ASYNC251 - the point: a blocked loop, its timer some 40 ms late
     await asyncio.sleep(0.01)  # the late tick runs; the next is not due yet
     task.cancel()
     assert shedder.lag_s >= 0.035
     assert recorded and recorded[-1] == shedder.lag_s
+
+
+async def test_an_idle_watch_sets_no_timer_until_a_request_wakes_it() -> None:
+    shedder, recorded, published = Shedder(), [], []
+    busy, woken = [False], asyncio.Event()
+    ticked, idle_again = asyncio.Event(), asyncio.Event()
+
+    def record(lag_s: float) -> None:
+        recorded.append(lag_s)
+        if len(recorded) == 3:
+            ticked.set()
+
+    def publish() -> None:
+        published.append(busy[0])
+        if len(published) == 2:
+            idle_again.set()
+
+    task = asyncio.create_task(watch(shedder, lambda: busy[0], woken, period_s=0.001,
+                                     record=record, publish=publish))
+    await asyncio.sleep(0.05)
+    assert recorded == [] and published == [False]  # idle: published once, then asleep
+    busy[0] = True
+    woken.set()
+    await asyncio.wait_for(ticked.wait(), 5)
+    busy[0] = False
+    await asyncio.wait_for(idle_again.wait(), 5)
+    ticks = len(recorded)
+    await asyncio.sleep(0.05)
+    task.cancel()
+    assert published[-1] is False  # the last publish saw the idle state
+    assert len(recorded) == ticks  # and no tick came after it
 
 
 MLP_ONLY = """

@@ -1,0 +1,339 @@
+"""The inference path of an API worker: one request from its body to its one answer.
+
+A request is decoded and checked against the runner's signature here, so a runner only ever
+sees tensors that fit; its deadline starts when the whole request has arrived, and whatever
+time is left is what the runner is given. Nothing here awaits: a request is decoded, admitted
+and sent in one go, and answered from the callback its runner's answer arrives in, so a
+request costs no task, no timer and no event-loop turn of its own. Whoever carries the HTTP
+exchange (`batchserve.api.connection` in a worker, the ASGI app in-process) hands the body in
+and gets the answer through `Respond`.
+
+Errors of every kind leave through `error_response`. Every answer is counted once in
+`batchserve_requests_total` by status, and every 503 once more in
+`batchserve_unavailable_total` by its reason (see `batchserve.api.errors`).
+
+Draining (`Service.stop`, called by the worker on SIGTERM): readiness turns 503 at once, new
+inference requests are answered 503 (`stopping`) before any work, and the requests already
+accepted go on until they are answered (`Service.idle`) or the grace period ends, when those
+still waiting on a runner are answered 503 (`Service.abandon`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from ..runner.core.config import Config, RunnerConfig
+from ..runner.core.security import Credentials
+from ..runner.core.types import Tensors
+from ..runner.core.wire import Address, FailureCode
+from ..runner.metrics import SECONDS_BUCKETS, Count, Tally
+from . import protocol
+from .dispatch import NO_KEYS, Pool, RunnerFailure
+from .errors import (
+    BadRequest,
+    BatchserveError,
+    ModelNotFound,
+    ModelTimeout,
+    Overloaded,
+    RunnerUnavailable,
+    SloRefused,
+    Stopping,
+    TooManyRows,
+    Unavailable,
+    error_response,
+)
+from .overload import LAG_FLOOR_S, Gate, Shedder
+from .reserve import Reserve
+
+log = logging.getLogger("batchserve.api.app")
+VERSION = "1"
+
+Respond = Callable[[int, bytes, Mapping[str, str]], None]
+"""Writes one answer: status, body, headers. Called exactly once per request."""
+
+request_duration = Histogram(
+    "batchserve_request_duration_seconds", "Inference requests from arrival to answer",
+    ["runner", "code"], buckets=SECONDS_BUCKETS,
+)
+requests_total = Counter(
+    "batchserve_requests_total", "Inference requests answered", ["runner", "code"]
+)
+UNAVAILABLE_REASONS = ("refused", "expired", "stopping", "shed", "unreachable", "late")
+unavailable_total = Counter(
+    "batchserve_unavailable_total", "Inference requests answered 503, by why", ["runner", "reason"]
+)
+inflight_requests = Gauge(
+    "batchserve_inflight_requests", "Requests an API worker has sent to a runner, unanswered",
+    ["runner"], multiprocess_mode="liveall",
+)
+processes_connected = Gauge(
+    "batchserve_runner_processes_connected", "Runner processes an API worker is connected to",
+    ["runner"], multiprocess_mode="liveall",
+)
+processes_configured = Gauge(
+    "batchserve_runner_processes_configured", "Runner processes the configuration asks for",
+    ["runner"], multiprocess_mode="liveall",
+)
+
+
+def infer_target(path: str) -> tuple[str, str | None] | None:
+    """The model and version of `/v2/models/{name}[/versions/{version}]/infer`, else None."""
+    parts = path.split("/")
+    if parts[-1] != "infer" or parts[1:3] != ["v2", "models"]:
+        return None
+    if len(parts) == 5:
+        return parts[3], None
+    if len(parts) == 7 and parts[4] == "versions":
+        return parts[3], parts[5]
+    return None
+
+
+def _failure_error(runner: str, failure: RunnerFailure) -> BatchserveError:
+    """What a runner's failure code means to an HTTP client."""
+    detail = failure.failure
+    retry = max(detail.retry_after_s, 1.0)
+    if detail.code == FailureCode.INVALID:
+        return BadRequest(detail.message)
+    if detail.code == FailureCode.REFUSED:
+        return SloRefused(runner, retry)
+    if detail.code == FailureCode.EXPIRED:
+        return Unavailable(detail.message, retry, "expired")
+    if detail.code == FailureCode.STOPPING:
+        return RunnerUnavailable(runner, retry)
+    if detail.code == FailureCode.TIMEOUT:
+        return ModelTimeout(detail.message)
+    if detail.code == FailureCode.TOO_LARGE:
+        return TooManyRows(detail.message)
+    return BatchserveError(detail.message)
+
+
+class Service:
+    """The configuration and one pool per runner, with the inference path over them."""
+
+    def __init__(self, config: Config, addresses: Mapping[str, Sequence[Address]],
+                 keys: Credentials = NO_KEYS) -> None:
+        self.config = config
+        self.pools = {
+            name: Pool(name, addresses.get(name, ()), config.timeouts, keys,
+                       choice=runner.choice, changed=self.publish)
+            for name, runner in config.runners.items()
+        }
+        # The loop serves every runner, so it must keep up with the tightest limit.
+        tightest_s = min(r.batching.max_latency_ms for r in config.runners.values()) / 1000
+        self.shedder = Shedder(target_s=max(LAG_FLOOR_S, tightest_s / 10))
+        self.inflight = 0  # requests accepted and not yet answered
+        self.stopping = False
+        self.arrived = asyncio.Event()  # set by every request: wakes the lag watch from idle
+        self.waiting = dict.fromkeys(config.runners, 0)  # calls out to each runner
+        self.reserves = {name: Reserve() for name in config.runners}
+        self.gates = {name: Gate() for name in config.runners}
+        # Answers are tallied here and written to the metrics in bulk (`flush`).
+        self._answers: dict[tuple[str, int], Tally] = {}
+        # Every reason's series exists from the start, so a rate over it reads 0, not nothing.
+        self._unavailable = {
+            (name, reason): Count(unavailable_total.labels(name, reason))
+            for name in config.runners for reason in UNAVAILABLE_REASONS
+        }
+
+    def publish(self) -> None:
+        """This worker's live gauges (calls in flight, runner processes connected), and the
+        answers tallied since the last flush."""
+        self.flush()
+        for name, pool in self.pools.items():
+            inflight_requests.labels(name).set(self.waiting[name])
+            processes_connected.labels(name).set(sum(link.connected for link in pool.links))
+            processes_configured.labels(name).set(len(pool.links))
+
+    @property
+    def busy(self) -> bool:
+        """Whether requests are in flight, or the front still sheds some."""
+        return self.inflight > 0 or self.shedding
+
+    def stop(self) -> None:
+        """Take no new work from now on: readiness and new inference requests answer 503."""
+        self.stopping = True
+
+    @property
+    def idle(self) -> bool:
+        """Whether every accepted request has been answered."""
+        return self.inflight == 0
+
+    def abandon(self) -> None:
+        """The grace period is over: answer every request still waiting on a runner 503."""
+        error = Stopping("the server stopped before the runner answered; retry shortly")
+        for pool in self.pools.values():
+            pool.abandon(error)
+
+    def runner(self, name: str, version: str | None = None) -> RunnerConfig:
+        runner = self.config.runners.get(name)
+        if runner is None or version not in (None, VERSION):
+            label = name if version is None else f"{name} version {version}"
+            raise ModelNotFound(label, self.config.runners)
+        return runner
+
+    def request(self, name: str, version: str | None, respond: Respond) -> Exchange:
+        """Admit an inference request for model `name` whose headers have arrived: refused
+        at once (answered, `done`) when the model is unknown, the worker stops or sheds; else
+        waiting for its body (`Exchange.run`)."""
+        exchange = Exchange(self, name, respond)
+        exchange.admit(version)
+        return exchange
+
+    def shed(self, runner: str) -> None:
+        """Refuse before any work when this worker is behind, or its runner refuses what
+        comes (see `batchserve.api.overload`)."""
+        if self.inflight > self.config.api.max_inflight:
+            raise Overloaded(f"{self.inflight - 1} requests in flight in this API worker")
+        if self.shedder.share and not self.shedder.admits(random.random()):
+            lag_ms = self.shedder.lag_s * 1000.0
+            raise Overloaded(f"this API worker runs {lag_ms:.0f} ms behind")
+        gate = self.gates[runner]
+        if gate.share and not gate.admits(random.random(), time.monotonic()):
+            raise Overloaded(f"runner {runner!r} refuses {100 * gate.share:.0f}% of what "
+                             "comes now")
+
+    def observe(self, runner: str, status: int, started: float, reason: str) -> None:
+        """Count one answer, and a 503 once more by its reason. A 200, and any answer while
+        the front sheds, is written to the metrics with the next flush; another is written
+        at once, so a scrape right after it counts it."""
+        if runner not in self.waiting:  # a model not served here: nothing to count it under
+            return
+        tally = self._answers.get((runner, status))
+        if tally is None:
+            code = str(status)
+            tally = self._answers[runner, status] = Tally(
+                request_duration.labels(runner, code), requests_total.labels(runner, code))
+        tally.observe(time.monotonic() - started)
+        if status != 503:
+            if status != 200:
+                tally.flush()
+            return
+        count = self._unavailable.get((runner, reason))
+        if count is None:  # a 503 raised without a reason of its own
+            reason = reason or "unreachable"
+            count = self._unavailable[runner, reason] = Count(
+                unavailable_total.labels(runner, reason))
+        count.inc()
+        if not self.shedding:
+            tally.flush()
+            count.flush()
+
+    @property
+    def shedding(self) -> bool:
+        """Whether the front turns requests away now (for its loop's lag or a runner's)."""
+        if self.shedder.share > 0.0:
+            return True
+        now = time.monotonic()
+        return any(gate.share and gate.shares(now) for gate in self.gates.values())
+
+    def flush(self) -> None:
+        """Write every answer tallied since the last flush to the metrics: whenever no request
+        is in flight, and every `PUBLISH_S` while busy (`publish`)."""
+        for tally in self._answers.values():
+            tally.flush()
+        for count in self._unavailable.values():
+            count.flush()
+
+
+class Exchange:
+    """One inference request, from its admission to its one answer."""
+
+    __slots__ = ("service", "name", "respond", "started", "done", "counted", "runner",
+                 "call", "sent", "budget_s")
+
+    def __init__(self, service: Service, name: str, respond: Respond) -> None:
+        self.service, self.name, self.respond = service, name, respond
+        self.started = time.monotonic()
+        self.done = False
+        self.counted = False  # in `service.inflight`
+        self.runner: RunnerConfig | None = None
+        self.call: protocol.InferRequest | None = None
+        self.sent = self.budget_s = 0.0
+
+    def admit(self, version: str | None) -> None:
+        service = self.service
+        try:
+            self.runner = service.runner(self.name, version)
+            if service.stopping:
+                raise Stopping()
+            service.inflight += 1
+            self.counted = True
+            service.arrived.set()
+            service.shed(self.name)
+        except Exception as exc:
+            self.fail(exc)
+
+    def run(self, body: bytes, header_length: str | None) -> None:
+        """Decode the body and send it to a runner process; answered when that answers."""
+        service, runner = self.service, self.runner
+        assert runner is not None and not self.done
+        try:
+            # The deadline runs from the whole request's arrival: its upload is the client's.
+            arrived = time.monotonic()
+            call = self.call = protocol.decode_infer(
+                body, protocol.parse_header_length(header_length), runner)
+            limit = runner.batching.max_latency_ms / 1000
+            if call.timeout_s is not None:
+                limit = min(limit, call.timeout_s)
+            self.sent = time.monotonic()
+            self.budget_s = (limit - (self.sent - arrived)
+                             - service.reserves[runner.name].seconds(limit))
+            if self.budget_s <= 0:
+                raise Unavailable(
+                    f"the request's deadline passed before it reached {runner.name!r}",
+                    reason="late")
+            # A runner answers by the call's deadline, or by its batch time limit once the
+            # call is in a batch; the slack only bounds a runner process that hangs as a whole.
+            wait_s = runner.batch_timeout_s + service.config.timeouts.call_slack_s
+            service.pools[runner.name].submit(
+                call.inputs, call.rows, self.budget_s, call.group, wait_s, self.answered)
+            service.waiting[runner.name] += 1
+        except Exception as exc:
+            self.fail(exc)
+
+    def answered(self, outcome: Tensors | Exception) -> None:
+        """The runner's answer (or why there is none): encode it and answer the client."""
+        service, runner, call = self.service, self.runner, self.call
+        assert runner is not None and call is not None
+        service.waiting[runner.name] -= 1
+        try:
+            if isinstance(outcome, RunnerFailure):
+                if outcome.failure.code == FailureCode.REFUSED:
+                    service.gates[runner.name].refused(time.monotonic())
+                raise _failure_error(runner.name, outcome)
+            if isinstance(outcome, Exception):
+                raise outcome
+            content, headers = protocol.encode_infer(runner.name, call, outcome, runner)
+            service.reserves[runner.name].observe(time.monotonic() - (self.sent + self.budget_s))
+        except Exception as exc:
+            self.fail(exc)
+            return
+        self.finish(200, content, headers, "")
+
+    def fail(self, exc: BaseException) -> None:
+        if not isinstance(exc, BatchserveError):
+            log.error("unexpected error answering a request", exc_info=exc)
+        status, content, headers = error_response(exc)
+        self.finish(status, content, headers, getattr(exc, "reason", ""))
+
+    def finish(self, status: int, content: bytes, headers: Mapping[str, str], reason: str
+               ) -> None:
+        if self.done:
+            return
+        self.done = True
+        service = self.service
+        if self.counted:
+            service.inflight -= 1
+        try:
+            self.respond(status, content, headers)
+        except Exception:
+            log.exception("writing an answer failed")
+        service.observe(self.name, status, self.started, reason)
+        if service.inflight == 0:
+            service.flush()
