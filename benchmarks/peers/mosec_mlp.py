@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
-from benchmarks.peers.peer import MAX_BATCH, WAIT_MS, Json, Peer
+from benchmarks.peers.peer import MAX_BATCH, QUEUE_DELAY_MS, Json, Peer
 
 
 def _answer(reply: Json) -> list[float]:
@@ -22,7 +22,8 @@ PEER = Peer(
     answer=_answer,
     argv=lambda python, port: [python, "-m", "benchmarks.peers.mosec_mlp", "--port", str(port),
                                "--address", "127.0.0.1", "--log-level", "warning"],
-    batching=f"append_worker(num=1, max_batch_size={MAX_BATCH}, max_wait_time={WAIT_MS}) (ms)",
+    batching=f"append_worker(num=1, max_batch_size={MAX_BATCH}, "
+    f"max_wait_time={QUEUE_DELAY_MS}) (ms)",
 )
 
 
@@ -45,7 +46,7 @@ with contextlib.suppress(ImportError):  # mosec exists only in its own venv
 
 def main() -> None:
     server = Server()
-    server.append_worker(MLP, num=1, max_batch_size=MAX_BATCH, max_wait_time=WAIT_MS)
+    server.append_worker(MLP, num=1, max_batch_size=MAX_BATCH, max_wait_time=QUEUE_DELAY_MS)
     server.run()
 
 

@@ -20,6 +20,9 @@ SHIM = VENVS / "_import"
 
 MAX_BATCH = 64
 WAIT_MS = 100
+QUEUE_DELAY_MS = 10
+"""The queue delay of the two peers batchserve is held against, mosec and Triton: what their
+users set for a latency-bound MLP, where a 100 ms delay would hold every batch at low rates."""
 FEATURES = 256
 OUTPUTS = 16
 

@@ -9,10 +9,12 @@ from benchmarks.peers import (
     mlserver_mlp,
     mosec_mlp,
     rayserve_mlp,
+    triton_mlp,
 )
 from benchmarks.peers.peer import Peer
 
 PEERS: dict[str, Peer] = {
     m.PEER.name: m.PEER
-    for m in (batchserve_mlp, mosec_mlp, bentoml_mlp, litserve_mlp, rayserve_mlp, mlserver_mlp)
+    for m in (batchserve_mlp, mosec_mlp, triton_mlp, bentoml_mlp, litserve_mlp, rayserve_mlp,
+              mlserver_mlp)
 }

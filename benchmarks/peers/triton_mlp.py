@@ -1,0 +1,83 @@
+"""Triton Inference Server serving the bundled MLP through PyTriton, on the CPU.
+
+PyTriton (pip ``nvidia-pytriton``) runs a real ``tritonserver`` whose Python backend stub
+hands each dynamic batch to this process's ``infer``: Triton's C++ HTTP front and batcher,
+the model in Python as in every other peer. The stub links against the interpreter's own
+libpython, so ``LD_LIBRARY_PATH`` gets that interpreter's ``sysconfig`` LIBDIR before Triton
+starts. Run inside ``.peers/triton/`` as ``python -m benchmarks.peers.triton_mlp --port PORT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sysconfig
+
+from benchmarks.peers.peer import FEATURES, MAX_BATCH, OUTPUTS, QUEUE_DELAY_MS, Json, Peer
+
+
+def _body(row: list[float]) -> Json:
+    return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, FEATURES], "data": row}]}
+
+
+def _answer(reply: Json) -> list[float]:
+    return reply["outputs"][0]["data"]  # type: ignore[index, no-any-return]
+
+
+PEER = Peer(
+    name="triton",
+    # PyTriton pins numpy below 2; torch is pinned beside it by the installer.
+    packages=("nvidia-pytriton",),
+    path="/v2/models/mlp/infer",
+    body=_body,
+    answer=_answer,
+    argv=lambda python, port: [python, "-m", "benchmarks.peers.triton_mlp", "--port", str(port)],
+    batching=f"max_batch_size={MAX_BATCH}, DynamicBatcher(max_queue_delay_microseconds="
+    f"{QUEUE_DELAY_MS * 1000})",
+)
+
+
+with contextlib.suppress(ImportError):  # pytriton exists only in its own venv
+    import numpy as np
+    import torch
+    from pytriton.decorators import batch
+    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+    from pytriton.triton import Triton, TritonConfig
+
+    from benchmarks.peers.peer import load_mlp
+
+    def serve(port: int) -> None:
+        model = load_mlp()
+
+        @batch  # type: ignore[misc]
+        def infer(x: np.ndarray) -> dict[str, np.ndarray]:
+            with torch.inference_mode():
+                return {"y": model(torch.from_numpy(x)).numpy()}  # type: ignore[operator]
+
+        config = TritonConfig(http_address="127.0.0.1", http_port=port, grpc_port=port + 1,
+                              metrics_port=port + 2)
+        with Triton(config=config) as triton:
+            triton.bind(
+                model_name="mlp",
+                infer_func=infer,
+                inputs=[Tensor(name="x", dtype=np.float32, shape=(FEATURES,))],
+                outputs=[Tensor(name="y", dtype=np.float32, shape=(OUTPUTS,))],
+                config=ModelConfig(max_batch_size=MAX_BATCH, batcher=DynamicBatcher(
+                    max_queue_delay_microseconds=QUEUE_DELAY_MS * 1000)),
+            )
+            triton.serve()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    port = parser.parse_args().port
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (libdir, os.environ.get("LD_LIBRARY_PATH", "")) if p)
+    serve(port)
+
+
+if __name__ == "__main__":
+    main()
