@@ -80,7 +80,9 @@ class Soak:
 
 
 def soak(url: str, root: int, rate: float, seconds: float, window: float,
-         runner: asyncio.Runner, warmup_s: float = 5.0) -> Soak:
+         runner: asyncio.Runner, warmup_s: float = 15.0) -> Soak:
+    """``warmup_s`` at the rate first: an API worker's allocator reaches its high-water mark
+    for a rate within some 10 s of it (a step of a few MB, once), which is no leak."""
     body, headers = infer_body(1, 256, binary=False)
     target = f"{url}/v2/models/mlp/infer"
     runner.run(run_load(target, body, headers, rate=rate, seconds=warmup_s))
