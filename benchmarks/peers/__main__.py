@@ -3,6 +3,14 @@
     python -m benchmarks.peers --install          # each peer's own venv under .peers/ (once)
     flock /tmp/batchserve-bench.lock python -m benchmarks.peers --rounds 2
     python -m benchmarks.peers --servers mosec,batchserve --busy 2 --out DIR --doc ''
+    flock /tmp/batchserve-bench.lock python -m benchmarks.peers --client shared \
+        --servers batchserve,mosec,triton --rates 100,1600,2400,3200,4800,6400
+
+With ``--client shared`` the load comes from the shared clients beside the checkout
+(``../shared/tools``: ``loadgen.py`` up to 2,400 req/s, ``fastload.py`` above), each server is
+also measured idle, and overload runs every server at one rate, twice the highest rate any
+of them passed and at least 6,400 req/s; the tables go to ``docs/peers-shared.json`` and the
+``peers shared`` markers of ``docs/benchmarks.md``.
 
 Writes ``docs/peers.json`` (every run), ``docs/peers.png`` and the tables between the markers
 of ``docs/benchmarks.md``. What is measured and how: ``docs/benchmarks.md``.
@@ -31,11 +39,15 @@ from benchmarks.busy import beside, busy
 from benchmarks.peers import model_limit, report
 from benchmarks.peers.peer import FEATURES, ROOT, VENVS, Peer, make_shim
 from benchmarks.peers.servers import PEERS
-from benchmarks.peers.sweep import Run, Settings, rounds
+from benchmarks.peers.sweep import Idle, Run, Settings, rounds
 
 START = "<!-- peers: start -->"
 END = "<!-- peers: end -->"
+SHARED_START = "<!-- peers shared: start -->"
+SHARED_END = "<!-- peers shared: end -->"
 SHOWN = ("torch", "numpy", "uvloop", "uvicorn", "starlette", "fastapi")
+OVERLOAD_FLOOR = 6400.0
+"""The shared-client overload rate is never below this, whatever the servers passed."""
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -52,6 +64,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "docs", help="folder of peers.json/png")
     p.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"),
                    help="markdown file whose peers markers receive the tables ('' for none)")
+    p.add_argument("--client", choices=("ours", "shared"), default="ours",
+                   help="batchserve's own load generator, or the shared clients")
+    p.add_argument("--idle", type=float, default=20.0,
+                   help="s of no traffic measured per server and round (0: none)")
     p.add_argument("--busy", type=int, default=0,
                    help="CPU-bound processes to run beside the servers (not the model limit)")
     p.add_argument("--install", action="store_true", help="create missing venvs, then exit")
@@ -98,22 +114,42 @@ def measure(args: argparse.Namespace, peers: Sequence[Peer]) -> dict[str, object
     limit = model_limit.samples_per_second()
     logs = Path(f"/tmp/batchserve-peers-{os.getpid()}")
     logs.mkdir(parents=True, exist_ok=True)
-    settings = Settings(args.seconds, args.warmup_rate, args.warmup_seconds, args.drain, logs)
+    settings = Settings(args.seconds, args.warmup_rate, args.warmup_seconds, args.drain, logs,
+                        shared=args.client == "shared", idle_s=args.idle)
     failures: dict[str, str] = {}
+    idles: list[Idle] = []
     began = time.monotonic()
     with busy(args.busy), asyncio.Runner(loop_factory=loop_factory()) as runner:
         runs = rounds(runner, peers, row, expected, lambda p: grid, args.rounds, settings,
-                      failures)
-        extra = {p.name: [r for r in report.overload_rates(report.best_rate(runs, p.name, grid))
-                          if r not in grid] for p in peers}
+                      failures, idles)
+        extra = overload_plan(runs, peers, grid, settings.shared)
         print(f"overload rates off the grid: {extra}", flush=True)
         runs += rounds(runner, peers, row, expected, lambda p: extra[p.name], args.rounds,
                        settings, failures)
-    return {"machine": machine(), "grid": grid, "rounds": args.rounds, "seconds": args.seconds,
+    return {"machine": machine(), "client": args.client, "idles": idles,
+            "grid": grid, "rounds": args.rounds, "seconds": args.seconds,
             "warmup": [args.warmup_rate, args.warmup_seconds], "logs": str(logs),
             "minutes": (time.monotonic() - began) / 60, "model_limit": limit, "busy": args.busy,
             "servers": {p.name: {"batching": p.batching, "versions": versions(p)} for p in peers},
             "failures": failures, "runs": runs}
+
+
+def overload_plan(runs: Sequence[Run], peers: Sequence[Peer], grid: Sequence[float],
+                  shared: bool) -> dict[str, list[float]]:
+    """Rates off the grid per server: 1.5x and 2x its own best rate; with the shared clients,
+    one rate for all, twice the best any passed and at least :data:`OVERLOAD_FLOOR`."""
+    if shared:
+        best = max((b for p in peers if (b := report.best_rate(runs, p.name, grid))),
+                   default=0.0)
+        rate = max(OVERLOAD_FLOOR, 2 * best)
+        return {p.name: [rate] if rate not in grid else [] for p in peers}
+    return {p.name: [r for r in report.overload_rates(report.best_rate(runs, p.name, grid))
+                     if r not in grid] for p in peers}
+
+
+def overload_rate(result: dict[str, object]) -> float:
+    """The shared clients' overload rate: the highest any run offered."""
+    return max(r.rate for r in result["runs"])  # type: ignore[attr-defined]
 
 
 def load(path: Path) -> dict[str, object]:
@@ -122,8 +158,9 @@ def load(path: Path) -> dict[str, object]:
     saved.pop("summaries", None)
     saved["model_limit"] = {int(k): v for k, v in saved["model_limit"].items()}
     saved["runs"] = [Run(r["server"], r["round"], r["rate"], LoadResult(**r["load"]),
-                         r["cpu_s"], r["processes"], r.get("wait_s", 0.0))
+                         r["cpu_s"], r["processes"], r.get("wait_s", 0.0), r.get("recovery_s"))
                       for r in saved["runs"]]
+    saved["idles"] = [Idle(**i) for i in saved.get("idles", [])]
     return saved  # type: ignore[no-any-return]
 
 
@@ -133,11 +170,21 @@ def markdown(result: dict[str, object], summaries: Sequence[report.Summary]) -> 
     runs: list[Run] = result["runs"]  # type: ignore[assignment]
     servers: dict[str, dict[str, object]] = result["servers"]  # type: ignore[assignment]
     failures: dict[str, str] = result["failures"]  # type: ignore[assignment]
+    shared = result.get("client") == "shared"
+    clients = ("the shared clients (loadgen.py up to 2,400 req/s, fastload.py above); "
+               if shared else "")
     parts = [
         f"Measured {result['machine']['date']} on {result['machine']['cpu']}, "  # type: ignore[index]
         f"{result['machine']['cores']} cores{beside(int(result.get('busy', 0)))}; "  # type: ignore[call-overload]
-        f"{result['rounds']} rounds, "  # type: ignore[index]
+        f"{clients}{result['rounds']} rounds, "  # type: ignore[index]
         f"{result['seconds']:g} s per rate, {result['minutes']:.0f} minutes in all.",
+    ]
+    if shared:
+        grid: list[float] = result["grid"]  # type: ignore[assignment]
+        idles: list[Idle] = result["idles"]  # type: ignore[assignment]
+        parts += [report.cost_table(runs, idles, grid, int(result["rounds"])),  # type: ignore[call-overload]
+                  report.overload_table(runs, overload_rate(result))]
+    parts += [
         report.table(summaries, limit[best]),
         f"Model limit (offline, one torch thread): **{limit[best]:,.0f} samples/s** at batch "
         f"size {best}; {limit.get(64, 0.0):,.0f} at 64, the servers' cap.",
@@ -163,15 +210,19 @@ def write(args: argparse.Namespace, result: dict[str, object]) -> str:
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {**result, "runs": [r.as_dict() for r in runs],
            "summaries": [s.__dict__ for s in summaries]}
-    (args.out / "peers.json").write_bytes(
+    shared = result.get("client") == "shared"
+    doc["idles"] = [i.__dict__ for i in result.get("idles", [])]  # type: ignore[attr-defined]
+    (args.out / ("peers-shared.json" if shared else "peers.json")).write_bytes(
         orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
-    report.plot(runs, max(limit.values()), args.out / "peers.png")
+    report.plot(runs, max(limit.values()), args.out / ("peers-shared.png" if shared
+                                                        else "peers.png"))
     text = markdown(result, summaries)
     if args.doc:
+        start, end = (SHARED_START, SHARED_END) if shared else (START, END)
         page = Path(args.doc).read_text()
-        head, _, rest = page.partition(START)
-        _, _, tail = rest.partition(END)
-        Path(args.doc).write_text(f"{head}{START}\n{text}\n{END}{tail}")
+        head, _, rest = page.partition(start)
+        _, _, tail = rest.partition(end)
+        Path(args.doc).write_text(f"{head}{start}\n{text}\n{end}{tail}")
     return text
 
 

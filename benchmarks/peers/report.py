@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peers.sweep import PASS_NON_OK, Run
+from benchmarks.peers.sweep import PASS_NON_OK, Idle, Run
 
 OVERLOADS = (1.5, 2.0)
 
@@ -162,3 +162,66 @@ def plot(runs: Sequence[Run], model_limit: float, path: Path) -> None:
     fig.suptitle("bundled MLP 256-1024-1024-16, batches up to 64, 2 shared cores")
     fig.savefig(path, format="png", dpi=100)
     plt.close(fig)
+
+
+def per_round(values: Sequence[float | None], digits: int, unit: str = "") -> str:
+    """``a / b``: one figure per round, in the order the rounds ran."""
+    return " / ".join(_n(v, digits) + unit if v is not None else "-" for v in values) or "-"
+
+
+def cost_table(runs: Sequence[Run], idles: Sequence[Idle], grid: Sequence[float],
+               rounds: int) -> str:
+    """What each server costs, round by round (each cell gives every round's own figure):
+    CPU per request at 1,600 and 2,400 req/s, idle CPU, the highest rate passed, p50 at 100."""
+    servers = list(dict.fromkeys(r.server for r in runs))
+
+    def cells(value: Callable[[str, int], float | None], digits: int, unit: str = "") -> str:
+        return " | ".join(per_round([value(s, k) for k in range(rounds)], digits, unit)
+                          for s in servers)
+
+    def run(server: str, round_: int, rate: float) -> Run | None:
+        return next((r for r in runs if (r.server, r.round, r.rate) == (server, round_, rate)),
+                    None)
+
+    def cpu(rate: float) -> Callable[[str, int], float | None]:
+        return lambda s, k: (r.cpu_ms_per_req if (r := run(s, k, rate)) else None)
+
+    def best(server: str, round_: int) -> float | None:
+        passed = [rate for rate in grid if (r := run(server, round_, rate)) and r.passed]
+        return max(passed, default=None)
+
+    def idle_pct(server: str, round_: int) -> float | None:
+        return next((100 * i.share for i in idles if (i.server, i.round) == (server, round_)),
+                    None)
+
+    def p50(server: str, round_: int) -> float | None:
+        return r.load.ok_p50_ms if (r := run(server, round_, 100.0)) else None
+
+    lines = ["| per round | " + " | ".join(servers) + " |",
+             "|---|" + "---:|" * len(servers)]
+    for rate in (r for r in grid if r in (1600.0, 2400.0)):
+        lines.append(f"| server CPU ms per request at {rate:,.0f} req/s | {cells(cpu(rate), 2)} |")
+    lines.append(f"| idle, no traffic (share of one core) | {cells(idle_pct, 2, '%')} |")
+    lines.append(f"| highest rate passed (tried {', '.join(f'{g:,.0f}' for g in grid)}) "
+                 f"| {cells(best, 0)} |")
+    lines.append(f"| p50 at 100 req/s, ms | {cells(p50, 1)} |")
+    return "\n".join(lines)
+
+
+def overload_table(runs: Sequence[Run], rate: float) -> str:
+    """Each server at one overload rate, every round: goodput, how fast its refusals came
+    against the client's own lag, whether anything was lost, how soon it recovered."""
+    lines = ["| server | round | offered req/s | goodput req/s | 503s | 503 p99 ms "
+             "| client send lag p99 ms | no answer | not sent: client's connections all busy "
+             "| lone request OK again after s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted((r for r in runs if r.rate == rate), key=lambda r: (r.server, r.round)):
+        load = r.load
+        backlog = load.status_counts.get("client_backlog", 0)
+        lost = load.sent - load.answered - backlog
+        lines.append(
+            f"| {r.server} | {r.round + 1} | {rate:,.0f} | {load.goodput:,.0f} "
+            f"| {load.status_counts.get('503', 0):,} | {_n(load.refused_p99_ms, 1)} "
+            f"| {_n(load.timer_lag_p99_ms, 1)} | {lost:,} | {backlog:,} "
+            f"| {_n(r.recovery_s, 2)} |")
+    return "\n".join(lines)
