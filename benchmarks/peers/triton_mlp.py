@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import socket
 import sysconfig
 
 from benchmarks.peers.peer import FEATURES, MAX_BATCH, OUTPUTS, QUEUE_DELAY_MS, Json, Peer
@@ -38,6 +39,13 @@ PEER = Peer(
 )
 
 
+def free_port() -> int:
+    """A port nothing listens on now, as the system hands one out."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 with contextlib.suppress(ImportError):  # pytriton exists only in its own venv
     import numpy as np
     import torch
@@ -55,8 +63,10 @@ with contextlib.suppress(ImportError):  # pytriton exists only in its own venv
             with torch.inference_mode():
                 return {"y": model(torch.from_numpy(x)).numpy()}  # type: ignore[operator]
 
-        config = TritonConfig(http_address="127.0.0.1", http_port=port, grpc_port=port + 1,
-                              metrics_port=port + 2)
+        # gRPC and metrics on ports the system picks free: the ones after the HTTP port
+        # may be taken, by a server of an earlier round still letting them go.
+        config = TritonConfig(http_address="127.0.0.1", http_port=port,
+                              grpc_port=free_port(), metrics_port=free_port())
         with Triton(config=config) as triton:
             triton.bind(
                 model_name="mlp",
