@@ -1,4 +1,4 @@
-"""The live table (issue 7): the real server under two independent open-loop clients.
+"""The live table: the real server under two independent open-loop clients.
 
 For each client (batchserve's own generator, then the shared aiohttp one) and each rate, a
 fresh server is started, warmed up, and driven for ``--runs`` runs of ``--seconds`` each;
