@@ -94,21 +94,23 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2
 SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 batch_size = Histogram(
-    "batchserve_adaptive_batch_size", "Rows in each batch the dispatcher released",
+    "batchserve_adaptive_batch_size", "Rows in each batch run (requests, for ragged or pad inputs)",
     ["runner", "method"], buckets=BATCH_BUCKETS,
 )
 queue_wait = Histogram(
-    "batchserve_queue_wait_seconds", "Time from a request's arrival to its batch's start",
+    "batchserve_queue_wait_seconds",
+    "Time from a request's arrival to its batch's start (one observation a piece)",
     ["runner"], buckets=SECONDS_BUCKETS,
 )
 batch_duration = Histogram(
-    "batchserve_batch_duration_seconds", "Processing time of each batch (join, model, split)",
+    "batchserve_batch_duration_seconds", "Wall time of each batch: join, model, split",
     ["runner"], buckets=SECONDS_BUCKETS,
 )
 RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 batch_time_ratio = Histogram(
     "batchserve_batch_time_ratio",
-    "Each batch's wall time over the high-quantile time the latency model predicted for it",
+    "Each batch's wall time over the high-quantile time the latency model predicted for it; "
+    "near 1 at its p99 while the model holds",
     ["runner"], buckets=RATIO_BUCKETS,
 )
 batch_cpu = Histogram(
@@ -117,7 +119,8 @@ batch_cpu = Histogram(
 )
 rejections = Counter(
     "batchserve_rejections_total",
-    "Whole requests the runner answered 503 without running them (pieces count once)",
+    "Whole requests the runner answered 503 without running them, by reason: refused, "
+    "expired, stopping (a request cut into pieces counts once)",
     ["runner", "reason"],
 )
 REJECTION_REASONS = ("refused", "expired", "stopping")
@@ -126,11 +129,12 @@ starts = Counter(
     ["runner"],
 )
 batches = Counter(
-    "batchserve_batches_total", "Batches released, by the reason they were released",
+    "batchserve_batches_total", "Batches released, by why: idle, window, deadline, full, cap",
     ["runner", "reason"],
 )
 _GAUGES = {
-    "window_s": ("batchserve_dispatcher_window_seconds", "The dispatcher's current window"),
+    "window_s": ("batchserve_dispatcher_window_seconds",
+                 "The dispatcher's current window: the longest it waits for more rows"),
     "cap": ("batchserve_dispatcher_batch_cap",
             "The dispatcher's current batch cap in rows (elements for ragged or pad inputs)"),
     "intercept_s": ("batchserve_latency_model_intercept_seconds", "Fitted time per batch"),

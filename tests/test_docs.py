@@ -1,5 +1,5 @@
-"""The manual against the code: every configuration key documented, the README's own-model
-example runs, and the README stays a front door."""
+"""The manual against the code: every configuration key documented, the metrics table made
+from the code, the README's own-model example runs, and the README stays a front door."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from batchserve.api import metric_table
 from batchserve.runner import models
 from batchserve.runner.core.config import ConfigError, load, parse
 
@@ -132,3 +133,15 @@ def test_the_readme_gives_the_commands_ci_runs() -> None:
         in readme
     assert "\nbash tests/run\n" in readme
     assert "exec bash tests/run" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_metrics_table_is_the_one_the_code_renders() -> None:
+    page = ROOT / "docs" / "monitoring.md"
+    assert metric_table.block(page) == metric_table.render()
+
+
+def test_the_metrics_table_lists_the_metrics_alerts_and_dashboards_use() -> None:
+    table = metric_table.render()
+    for name in ("batchserve_requests_total", "batchserve_queue_depth",
+                 "batchserve_api_loop_lag_seconds", "batchserve_batch_time_ratio"):
+        assert f"| `{name}` |" in table
