@@ -313,7 +313,8 @@ def test_a_leaving_runner_serves_until_the_api_resolves_its_service_again(
 
 def test_grace_periods_cover_the_drain(rendered: dict[str, list[Doc]]) -> None:
     """A runner drains for drain_s and is stuck past kill_after_s; the API pod's supervisor
-    stops within 2 x kill_after_s (docs/deployment.md, "Stopping"). Both after their preStop sleep."""
+    stops within 2 x kill_after_s (docs/deployment.md, "Stopping"). Both after their preStop
+    sleep."""
     docs = rendered["base"]
     timeouts = Timeouts(**configuration(docs)["timeouts"])
     for component, stop_s in (("runner", timeouts.kill_after_s),
