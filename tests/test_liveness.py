@@ -24,9 +24,10 @@ from batchserve.api.bench.loadgen import run_load
 from batchserve.runner.core.types import Tensors
 from batchserve.runner.core.wire import FailureCode
 from batchserve.runner.dispatcher import Rejection
-from batchserve.runner.policy.adaptive import AdaptivePolicy, Tuning
+from batchserve.runner.policy.adaptive import AdaptivePolicy
 from batchserve.runner.policy.base import Batch, Request
 from batchserve.runner.policy.latency_model import Fit, Timing
+from batchserve.runner.policy.tuning import Tuning
 from tests.conftest import Server
 from tests.test_dispatcher import Gate, ask, dispatcher, rows
 

@@ -6,11 +6,12 @@ import math
 
 import pytest
 
-from batchserve.runner.policy.adaptive import AdaptivePolicy, Tuning, best_cap
+from batchserve.runner.policy.adaptive import AdaptivePolicy, best_cap
 from batchserve.runner.policy.base import Batch, GreedyPolicy, Request, Step
 from batchserve.runner.policy.baselines import BentoMLPolicy, FixedPolicy, NoBatchingPolicy
 from batchserve.runner.policy.latency_model import Fit, Timing
 from batchserve.runner.policy.policies import make_policy
+from batchserve.runner.policy.tuning import Tuning
 
 SLO = 0.1
 

@@ -1,0 +1,55 @@
+"""`Tuning`: every constant the adaptive policy and its latency model decide with, in one
+frozen value, each with its reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Every tuning constant of the adaptive policy and its latency model, in one place.
+
+    The defaults are what docs/dispatcher.md measures; a user has no reason to change them,
+    which is why the configuration file does not expose them. Tests and experiments do.
+    """
+
+    quantile_k: float = 3.0
+    """Spreads above the line that a batch's high quantile sits (about its p99.9)."""
+    promise_k: float = 3.3
+    """The same for a promise over several batches: a little higher, for the 0.1% late target
+    summed over the batches a request waits for."""
+    sample_window: int = 128
+    """Measured batches the regression keeps."""
+    stretch_window: int = 1024
+    """Measured batches the stretch, its spread and its tail are read from. The tail is their
+    99th percentile, which must be the contention's and not a rare stall's: a stall in 500
+    batches, seen three times in 256 by chance, would set a 256-batch p99 and refuse nearly
+    everything until it left the window."""
+    half_life: float = 32.0
+    """Batches back at which a measured batch weighs half as much as the newest."""
+    calibration_weight: float = 0.1
+    """Weight of each start-up timing against a measured batch, so traffic soon dominates."""
+    calibration_repeats: int = 2
+    """Times each calibration size is run at start-up."""
+    rate_tau_s: float = 0.1
+    """Time constant of the arrival-rate estimates."""
+    refit_every: int = 16
+    """Batches between refits, at the least ..."""
+    refit_period_s: float = 0.25
+    """... and seconds between them ..."""
+    refit_rows: int = 64
+    """... and rows measured since the last one."""
+    hold_share: float = 0.2
+    """The longest hold for more rows, as a share of the latency limit."""
+    hold_load: float = 0.5
+    """The share of time the model runs that bounds the hold from both sides: one request at a
+    time must keep it busy at least this much, and amortised batches less (`hold_s`)."""
+    tail_share: float = 0.5
+    """The most of a request's time left that the heavy tail's reserve may take."""
+    stall_after: float = 3.0
+    """A batch still running at this multiple of its predicted high quantile has stalled (a
+    GC pause, a hung call, a descheduled thread): too far out for the contention tail, whose
+    p99 the high quantile already is. It is then expected to overrun as long as the recent
+    batches that overran longer did on average (`Fit.overruns`), or, if none did, to run on
+    for half the time it has run, a Pareto tail's expected remainder at `TAIL_INDEX`."""
