@@ -20,16 +20,6 @@ from .tuning import Tuning
 
 DEFAULT_TUNING = Tuning()
 
-HOLD_MIN_ARRIVALS = 2.0
-"""A hold is worth it only if at least this many requests are expected to arrive during it;
-at lower rates the batch goes out at once, so low load never waits."""
-
-STALE_JOB_S = 10.0
-"""A refit handed out and never applied (the job failed) stops blocking the next after this."""
-
-WAIT_MEMORY = 0.05
-"""Weight of the newest request in the moving average of queue wait."""
-
 TAIL_INDEX = 3.0
 """How the heavy tail of batch times (the part of the high quantile beyond `k * spread`) adds
 up over several batches: as the `TAIL_INDEX`-norm of their means. For a power-law tail of this
@@ -109,7 +99,9 @@ class AdaptivePolicy:
         # milliseconds. Every batch measures it, so it heals with the machine even while
         # refusals leave no batch run back to back (a 70 ms p99 from a busy spell once stood
         # for seconds and refused most requests).
-        self._gaps = RecentQuantile(window=256, every=16, quantile=0.99)
+        self._gaps = RecentQuantile(
+            window=tuning.gap_window, every=tuning.gap_every, quantile=tuning.gap_quantile
+        )
         self._released = 0.0  # when the running batch was handed out
         self._last_finished = 0.0  # when the last batch ended
         self._just_completed = False  # the next poll follows a batch's end
@@ -193,7 +185,7 @@ class AdaptivePolicy:
 
     def refit_job(self, now: float) -> Callable[[], Any] | None:
         pending = self._pending_since
-        if pending is not None and now - pending < STALE_JOB_S:
+        if pending is not None and now - pending < self.tuning.stale_job_s:
             return None
         # A refit costs milliseconds of CPU: at small batches, every 16 batches would be many
         # a second. Wait for enough new batches, rows and time, so that refits stay a small
@@ -401,7 +393,7 @@ class AdaptivePolicy:
         self.target_rows = rows_rate * intercept
         self.window_s = max(0.0, intercept - 1.0 / request_rate) if request_rate > 0 else 0.0
         hold = self.hold_s(intercept, self._fit.slope_s, rows_rate)
-        if request_rate * hold >= HOLD_MIN_ARRIVALS and hold > self.window_s:
+        if request_rate * hold >= self.tuning.hold_min_arrivals and hold > self.window_s:
             self.window_s = hold
             self.target_rows = max(self.target_rows, rows_rate * hold)
 
@@ -487,7 +479,7 @@ class AdaptivePolicy:
                 continue
             taken.append(request)
             rows += request.rows
-            wait += WAIT_MEMORY * (now - request.arrival - wait)
+            wait += self.tuning.wait_memory * (now - request.arrival - wait)
         queue.extendleft(reversed(passed))
         self._queue_wait_s = wait
         if self._queued_rows <= self.cap:

@@ -34,14 +34,22 @@ class Tuning:
     """Times each calibration size is run at start-up."""
     rate_tau_s: float = 0.1
     """Time constant of the arrival-rate estimates."""
+    wait_memory: float = 0.05
+    """Weight of the newest request in the moving average of queue wait."""
     refit_every: int = 16
     """Batches between refits, at the least ..."""
     refit_period_s: float = 0.25
     """... and seconds between them ..."""
     refit_rows: int = 64
     """... and rows measured since the last one."""
+    stale_job_s: float = 10.0
+    """A refit handed out and never applied (the job failed) stops blocking the next after
+    this: long beside a refit's milliseconds, short beside a runner's life."""
     hold_share: float = 0.2
     """The longest hold for more rows, as a share of the latency limit."""
+    hold_min_arrivals: float = 2.0
+    """A hold is worth it only if at least this many requests are expected to arrive during it;
+    at lower rates the batch goes out at once, so low load never waits."""
     hold_load: float = 0.5
     """The share of time the model runs that bounds the hold from both sides: one request at a
     time must keep it busy at least this much, and amortised batches less (`hold_s`)."""
@@ -53,3 +61,11 @@ class Tuning:
     p99 the high quantile already is. It is then expected to overrun as long as the recent
     batches that overran longer did on average (`Fit.overruns`), or, if none did, to run on
     for half the time it has run, a Pareto tail's expected remainder at `TAIL_INDEX`."""
+    gap_window: int = 256
+    """Batches over which the model's idle wait before a batch is read: how long the loop takes
+    to see a batch's end and the model thread to wake. Every batch measures it, so a busy
+    spell's wait leaves the window within a few hundred batches."""
+    gap_every: int = 16
+    """Batches between two readings of that wait's quantile, so reading it stays cheap."""
+    gap_quantile: float = 0.99
+    """The quantile of that wait whose excess over the mean a promise reserves for."""
