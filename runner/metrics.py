@@ -4,7 +4,7 @@ Runners and API workers are separate processes, so metrics go through prometheus
 multiprocess mode: the supervisor gives every process one `PROMETHEUS_MULTIPROC_DIR`, and an
 API worker's `/metrics` merges them. Live gauges keep one series per process (`liveall`), so
 a dead runner's gauges disappear when the supervisor marks it dead; a live runner republishes
-them every `PUBLISH_S` whether or not traffic flows, so an idle runner reads idle.
+them every `Timeouts.PUBLISH_S` whether or not traffic flows, so an idle runner reads idle.
 
 Counters count whole requests: a request cut into pieces (over `max_batch_size`) that is
 refused or expires counts once in `batchserve_rejections_total`, under the reason it was
@@ -23,6 +23,7 @@ from typing import Any, TextIO
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from .core.timeouts import Timeouts
 from .policy.base import Batch, PolicyStats
 
 
@@ -181,15 +182,9 @@ class RunnerMetrics:
     """The metric children of one runner, resolved once so the hot path does no lookups.
 
     Batches and rejections are tallied in the process (`Tally`, `Count`) and written out by
-    `flush`: with the gauges every `GAUGE_PERIOD_S` while batches run, and whenever the
+    `flush`: with the gauges every `Timeouts.GAUGE_PERIOD_S` while batches run, and whenever the
     dispatcher falls idle, so a scrape after the last answer reads every request of it.
     """
-
-    GAUGE_PERIOD_S = 0.1
-    PUBLISH_S = 1.0
-    """How often the dispatcher republishes its gauges after traffic, until they read idle: a
-    scrape sees state at most this old, and an arrival rate decays to zero within a few
-    periods of the last arrival."""
 
     def __init__(self, runner: str, latency_limit_s: float = 0.0) -> None:
         self.runner = runner
@@ -253,10 +248,10 @@ class RunnerMetrics:
 
     def publish(self, stats: PolicyStats, force: bool = False) -> None:
         """Copy the policy's live state into the gauges and flush the tallies, at most every
-        GAUGE_PERIOD_S unless `force` (the periodic publish), which also flushes the batch
-        log."""
+        `Timeouts.GAUGE_PERIOD_S` unless `force` (the periodic publish), which also flushes the
+        batch log."""
         now = time.monotonic()
-        if not force and now - self._published < self.GAUGE_PERIOD_S:
+        if not force and now - self._published < Timeouts.GAUGE_PERIOD_S:
             return
         self._published = now
         self.flush()
