@@ -49,7 +49,7 @@ def calibrated(size: int = 64, latency_s: float = 0.1) -> AdaptivePolicy:
 def check_step(policy: AdaptivePolicy, now: float, running: bool, batch: Batch | None,
                wake_at: float | None) -> None:
     """The liveness rule at one poll of an idle model with work queued."""
-    queue = policy._queue  # noqa: SLF001 - the rule is about the queue the policy holds
+    queue = policy._waiting.requests  # noqa: SLF001 - the rule is about the queue the policy holds
     if running or batch is not None or not queue:
         return
     assert wake_at is not None, "work queued, model idle, and no wake-up asked for"
