@@ -1,5 +1,6 @@
 """The manual against the code: every configuration key documented, the metrics table made
-from the code, the README's own-model example runs, and the README stays a front door."""
+from the code, the README's own-model example runs, the README stays a front door, and no page
+speaks of issue numbers."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from batchserve.runner.core.config import ConfigError, load, parse
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 UNKNOWN = "no_such_key"
 
 
@@ -145,3 +147,21 @@ def test_the_metrics_table_lists_the_metrics_alerts_and_dashboards_use() -> None
     for name in ("batchserve_requests_total", "batchserve_queue_depth",
                  "batchserve_api_loop_lag_seconds", "batchserve_batch_time_ratio"):
         assert f"| `{name}` |" in table
+
+
+ISSUE_NUMBER = re.compile(r"(?i)\b(?:issues?|pr|pull request)s?\s*#?\d+|(?<![\w&/])#\d+\b")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_no_page_refers_to_issue_numbers(page: Path) -> None:
+    assert ISSUE_NUMBER.findall(page.read_text()) == []
+
+
+@pytest.mark.parametrize("text", ["see issue #7", "issue 3", "(#12)", "PR #40"])
+def test_the_issue_pattern_catches_what_it_is_for(text: str) -> None:
+    assert ISSUE_NUMBER.search(text)
+
+
+@pytest.mark.parametrize("text", ["[Stopping](deployment.md#stopping)", "color: #fff"])
+def test_the_issue_pattern_passes_links(text: str) -> None:
+    assert ISSUE_NUMBER.search(text) is None
