@@ -15,6 +15,7 @@ import pytest
 from batchserve.api import metric_table
 from batchserve.runner import models
 from batchserve.runner.core.config import ConfigError, load, parse
+from batchserve.runner.core.timeouts import Timeouts
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -105,6 +106,14 @@ def test_every_configuration_key_is_documented_and_no_other() -> None:
     assert sorted(keys - documented) == []
     assert sorted(documented - keys) == []
 
+
+
+def test_every_fixed_period_is_listed_with_its_value() -> None:
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    fixed = [name for name in vars(Timeouts) if name.isupper() and name.endswith("_S")]
+    assert len(fixed) >= 10
+    for name in fixed:
+        assert f"| `Timeouts.{name}` | {getattr(Timeouts, name):g} |" in text, name
 
 def section(text: str, heading: str) -> str:
     return text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
