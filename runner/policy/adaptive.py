@@ -16,9 +16,7 @@ from typing import Any
 from .base import Batch, PolicyStats, Reason, Request, Step
 from .latency_model import Fit, LatencyModel, RecentQuantile, Timing, fit_samples
 from .state import Costs, Limits, Rates, Refits, Running, Waiting
-from .tuning import Tuning
-
-DEFAULT_TUNING = Tuning()
+from .tuning import DEFAULT_TUNING, Tuning
 
 TAIL_INDEX = 3.0
 """How the heavy tail of batch times (the part of the high quantile beyond `k * spread`) adds
@@ -51,13 +49,7 @@ class AdaptivePolicy:
         requests one batch holds (a runner's `max_batch_size` when it counts elements)."""
         self.limits = Limits(max_batch_size, max_latency_s, max_requests)
         self.tuning = tuning
-        self.model = LatencyModel(
-            window=tuning.sample_window,
-            stretch_window=tuning.stretch_window,
-            half_life=tuning.half_life,
-            calibration_weight=tuning.calibration_weight,
-            quantile_k=tuning.quantile_k,
-        )
+        self.model = LatencyModel(tuning)
         # The decisions, as the last retune left them (see `stats`).
         self.cap = max_batch_size
         self.window_s = 0.0

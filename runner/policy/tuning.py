@@ -28,6 +28,30 @@ class Tuning:
     everything until it left the window."""
     half_life: float = 32.0
     """Batches back at which a measured batch weighs half as much as the newest."""
+    min_spread: float = 0.01
+    """The least relative spread a fit admits: no machine times its batches to better than 1%,
+    and a spread of zero would make every promise exact."""
+    max_move: float = 4.0
+    """The stretch moves at most this factor per refit, and a cost shift scales the calibration
+    by at most this factor: a burst of stalls moves the model a bounded step, while a lasting
+    change is followed within a few refits."""
+    shift_run: int = 3
+    """Batches in a row beyond the high quantile, or below its mirror (mean / factor), that mean
+    the machine has changed (by chance, rarer than one in a million batches)."""
+    tail_quantile: float = 0.99
+    """The quantile of the recent stretches, over their median, that the tail factor is read
+    at: the contention's own p99, which a normal law on the MAD would understate."""
+    tail_samples: int = 100
+    """Recent batches it takes to read their 99th percentile. Fewer (after a start, or after a
+    shift restarts the window) have only their largest to show, which one hiccup can set: a
+    150 ms page fault among 0.3 ms batches made every promise 150 ms long. Until there are
+    enough, the tail may rise at most `max_move`-fold above the last one read (`Fit.tail`)."""
+    few_recent: int = 16
+    """With fewer recent batches than this, the spread is not allowed to fall below the last."""
+    longest_overruns: int = 8
+    """The longest overruns of the recent batches a fit keeps: what a batch still running far
+    past its prediction (a stall) is expected to run to, from the stalls this machine has
+    shown."""
     calibration_weight: float = 0.1
     """Weight of each start-up timing against a measured batch, so traffic soon dominates."""
     calibration_repeats: int = 2
@@ -69,3 +93,6 @@ class Tuning:
     """Batches between two readings of that wait's quantile, so reading it stays cheap."""
     gap_quantile: float = 0.99
     """The quantile of that wait whose excess over the mean a promise reserves for."""
+
+
+DEFAULT_TUNING = Tuning()
