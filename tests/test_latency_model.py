@@ -1,4 +1,4 @@
-"""The latency model recovers known lines from noisy batches, at low load too (issue #3)."""
+"""The latency model recovers known lines from noisy batches, at low load too."""
 
 from __future__ import annotations
 

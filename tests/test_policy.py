@@ -1,4 +1,4 @@
-"""Policies on a fake clock: every decision is exact, nothing sleeps (issue #3)."""
+"""Policies on a fake clock: every decision is exact, nothing sleeps."""
 
 from __future__ import annotations
 
