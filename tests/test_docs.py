@@ -1,9 +1,10 @@
 """The manual against the code: every configuration key documented, the metrics table made
-from the code, the README's own-model example runs, the README stays a front door, and no page
-speaks of issue numbers."""
+from the code, every panel and alert explained, the README's own-model example runs, the README
+stays a front door, and no page speaks of issue numbers."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
 from batchserve.api import metric_table
 from batchserve.runner import models
@@ -114,6 +116,22 @@ def test_every_fixed_period_is_listed_with_its_value() -> None:
     assert len(fixed) >= 10
     for name in fixed:
         assert f"| `Timeouts.{name}` | {getattr(Timeouts, name):g} |" in text, name
+
+
+def first_cells(text: str, header: str) -> set[str]:
+    """The first column of the table under `header` (its header row), backticks removed."""
+    rows = text.split(header + "\n", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    return {row.split(" | ", 1)[0].lstrip("| ").strip("`") for row in rows}
+
+
+def test_every_dashboard_panel_and_alert_is_explained() -> None:
+    text = (ROOT / "docs" / "monitoring.md").read_text()
+    dashboard = json.loads((ROOT / "dashboards" / "batchserve.json").read_text())
+    panels = {panel["title"] for panel in dashboard["panels"] if panel["type"] != "row"}
+    assert first_cells(text, "| panel | question |") == panels
+    rules = yaml.safe_load((ROOT / "dashboards" / "alerts.yml").read_text())
+    alerts = {rule["alert"] for group in rules["groups"] for rule in group["rules"]}
+    assert first_cells(text, "| alert | fires when | why |") == alerts
 
 def section(text: str, heading: str) -> str:
     return text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
