@@ -192,3 +192,32 @@ def test_the_issue_pattern_catches_what_it_is_for(text: str) -> None:
 @pytest.mark.parametrize("text", ["[Stopping](deployment.md#stopping)", "color: #fff"])
 def test_the_issue_pattern_passes_links(text: str) -> None:
     assert ISSUE_NUMBER.search(text) is None
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings (code blocks' `#` lines are not headings)."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in page.read_text().splitlines():
+        fenced = fenced != line.startswith("```")
+        if fenced or not line.startswith("#"):
+            continue
+        anchor = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        count = seen[anchor] = seen.get(anchor, -1) + 1
+        anchors.add(f"{anchor}-{count}" if count else anchor)
+    return anchors
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_link_between_pages_resolves(page: Path) -> None:
+    broken = []
+    for link in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if link.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path) if path else page
+        if not target.exists() or (anchor and target.suffix == ".md"
+                                   and anchor not in heading_anchors(target)):
+            broken.append(link)
+    assert broken == []
