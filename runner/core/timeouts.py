@@ -33,9 +33,6 @@ import math
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-EXIT_MARGIN_S = 1.0
-"""Time a process gets after its drain to close sockets and leave the interpreter."""
-
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
@@ -88,6 +85,9 @@ class Timeouts:
 
     # --- fixed periods: not configuration keys ---------------------------------------------
 
+    EXIT_MARGIN_S: ClassVar[float] = 1.0
+    """Time a process gets after its drain to close sockets and leave the interpreter: what
+    `kill_after_s` must leave beyond `drain_s`."""
     POLL_S: ClassVar[float] = 0.05
     """How often the supervisor checks its children while they start; a signal wakes it at
     once, so this only bounds how soon a child's own readiness is seen."""
@@ -142,11 +142,12 @@ class Timeouts:
 
     def inconsistency(self) -> str | None:
         """Why these values cannot work together, or None when they can."""
-        if self.kill_after_s < self.drain_s + EXIT_MARGIN_S:
+        margin = self.EXIT_MARGIN_S
+        if self.kill_after_s < self.drain_s + margin:
             return _wrong(
                 "kill_after_s", self.kill_after_s,
-                f"at least timeouts.drain_s + {EXIT_MARGIN_S:g} "
-                f"({self.drain_s + EXIT_MARGIN_S:g}), so a process is not killed while it "
+                f"at least timeouts.drain_s + {margin:g} "
+                f"({self.drain_s + margin:g}), so a process is not killed while it "
                 "drains",
             )
         for first, longest in (("restart_first_s", "restart_max_s"),
