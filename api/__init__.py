@@ -1,10 +1,12 @@
 """The API tier: HTTP workers that speak the Open Inference Protocol v2 and forward to runners.
 
 This folder owns the HTTP front (routes, the v2 codec, errors, shedding, the connections to
-runner processes) and the processes that serve it (`worker`, `supervisor`, `cli`); `client/`
-is the Python client and `bench/` the load generator behind `batchserve bench`.
+runner processes), the processes that serve it (`worker`, `supervisor`, `cli`) and the metrics
+table of the manual (`metric_table`); `client/` is the Python client and `bench/` the load
+generator behind `batchserve bench`.
 
-A request passes through `worker` (uvicorn), `app` (shedding by `overload`), `protocol` and
-`tensors`, `reserve`, then `dispatch` (the process picked by `choice`, found by `discovery`),
-which sends it to a runner over `batchserve.runner.core.wire`.
+A request passes through `worker` (uvicorn) and its HTTP `connection`, then `service`
+(shedding by `overload`, decoding by `protocol` and `tensors`, the answer's reserve by
+`reserve`), then `dispatch` (the process picked by `choice`, found by `discovery`), which sends
+it to a runner over `batchserve.runner.core.wire`; the other routes go through `app`.
 """

@@ -494,7 +494,7 @@ class Pool:
 
     async def infer(
         self, tensors: Tensors, rows: int, budget_s: float, group: tuple[str, ...] = (),
-        wait_s: float = 3600.0,
+        wait_s: float = Timeouts.CALL_WAIT_S,
     ) -> Tensors:
         """`submit`, awaited."""
         future: asyncio.Future[Tensors] = asyncio.get_running_loop().create_future()

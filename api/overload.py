@@ -3,8 +3,8 @@
 When the machine is short of CPU, requests wait in an API worker's socket buffers and event
 loop before any of its code sees them, where no deadline can count them; served late, they
 only make the wait longer for everyone behind. So each worker measures how late its own event
-loop runs (`watch`: a timer every `PERIOD_S` while requests are in flight), and while that
-lag stays above its target it answers a growing share of new inference requests with 503
+loop runs (`watch`: a timer every `Timeouts.LAG_PROBE_S` while requests are in flight), and
+while that lag stays above its target it answers a growing share of new inference requests with 503
 and Retry-After, before reading or decoding them; the share falls back as soon as the lag
 does. A refusal costs a fraction of an answer, so shedding gives the CPU back to the
 requests that are kept.
@@ -23,18 +23,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-PERIOD_S = 0.01
-"""How often a worker measures its loop's lag while requests are in flight: 100 wake-ups a
-second, next to nothing beside the requests themselves, and none while idle."""
-PUBLISH_S = 1.0
-"""How often a busy worker republishes its live gauges (in-flight calls per runner)."""
+from ..runner.core.timeouts import Timeouts
+
 DRAIN_TARGETS = 10.0
 """How many lag targets behind the loop counts as far behind (see `Shedder.drain_s`)."""
 FORGOTTEN = 0.001
 """A gate's share below this is no share at all: the runner stopped refusing."""
-LAG_FLOOR_S = 0.010
-"""The least lag that counts as falling behind, whatever the limits: below it, a loop on
-shared cores is only waiting its turn for the scheduler."""
 
 
 @dataclass(slots=True)
@@ -43,7 +37,7 @@ class Shedder:
 
     It acts on a standing backlog, not on a busy moment: only while even the smallest lag of
     the last `window` ticks (100 ms) is over the target (a tenth of the tightest runner's
-    limit, and at least `LAG_FLOOR_S`: 10 ms is no backlog to a 30 s limit) does the
+    limit, and at least `Timeouts.LAG_FLOOR_S`: 10 ms is no backlog to a 30 s limit) does the
     share climb, by `step_up` a tick (from nothing to half the traffic in another 100 ms); on a
     timely tick it falls by `step_down` (half a second from half to nothing). A loop that is
     busy in bursts but catches up between them, as under closed-loop clients whose requests
@@ -140,9 +134,9 @@ class Gate:
 
 async def watch(
     shedder: Shedder, busy: Callable[[], bool], woken: asyncio.Event,
-    period_s: float = PERIOD_S, clock: Callable[[], float] = time.monotonic,
+    period_s: float = Timeouts.LAG_PROBE_S, clock: Callable[[], float] = time.monotonic,
     record: Callable[[float], None] | None = None,
-    publish: Callable[[], None] | None = None, publish_s: float = PUBLISH_S,
+    publish: Callable[[], None] | None = None, publish_s: float = Timeouts.PUBLISH_S,
 ) -> None:
     """Feed `shedder` the lag of this event loop, and `record` (the metric a user sees it
     by), for as long as the task runs; and call `publish` every `publish_s` meanwhile.

@@ -30,6 +30,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from ..runner.core.config import Config, RunnerConfig
 from ..runner.core.security import Credentials
+from ..runner.core.timeouts import Timeouts
 from ..runner.core.types import Tensors
 from ..runner.core.wire import Address, FailureCode
 from ..runner.metrics import SECONDS_BUCKETS, Count, Tally
@@ -48,7 +49,7 @@ from .errors import (
     Unavailable,
     error_response,
 )
-from .overload import LAG_FLOOR_S, Gate, Shedder
+from .overload import Gate, Shedder
 from .reserve import Reserve
 
 log = logging.getLogger("batchserve.api.app")
@@ -97,7 +98,7 @@ def infer_target(path: str) -> tuple[str, str | None] | None:
 def _failure_error(runner: str, failure: RunnerFailure) -> BatchserveError:
     """What a runner's failure code means to an HTTP client."""
     detail = failure.failure
-    retry = max(detail.retry_after_s, 1.0)
+    retry = max(detail.retry_after_s, Timeouts.RETRY_AFTER_S)
     if detail.code == FailureCode.INVALID:
         return BadRequest(detail.message)
     if detail.code == FailureCode.REFUSED:
@@ -126,7 +127,7 @@ class Service:
         }
         # The loop serves every runner, so it must keep up with the tightest limit.
         tightest_s = min(r.batching.max_latency_ms for r in config.runners.values()) / 1000
-        self.shedder = Shedder(target_s=max(LAG_FLOOR_S, tightest_s / 10))
+        self.shedder = Shedder(target_s=max(Timeouts.LAG_FLOOR_S, tightest_s / 10))
         self.inflight = 0  # requests accepted and not yet answered
         self.stopping = False
         self.arrived = asyncio.Event()  # set by every request: wakes the lag watch from idle
@@ -234,7 +235,7 @@ class Service:
 
     def flush(self) -> None:
         """Write every answer tallied since the last flush to the metrics: whenever no request
-        is in flight, and every `PUBLISH_S` while busy (`publish`)."""
+        is in flight, and every `Timeouts.PUBLISH_S` while busy (`publish`)."""
         for tally in self._answers.values():
             tally.flush()
         for count in self._unavailable.values():

@@ -45,8 +45,6 @@ from ..runner.core.timeouts import Timeouts
 from ..runner.core.wire import Address, FrameSocket, Ping, Pong, WireError
 
 log = logging.getLogger("batchserve")
-POLL_S = 0.05  # how often start-up checks its children; signals wake every wait at once
-WATCH_S = 0.1  # how often the main loop looks for dead or hung children
 _PR_SET_PDEATHSIG = 1
 
 
@@ -271,7 +269,7 @@ class Supervisor:
             if time.monotonic() > deadline:
                 names = ", ".join(child.name for child in waiting)
                 raise StartupError(f"{names} not ready within {limit:g} s")
-            self.wake.wait(POLL_S)
+            self.wake.wait(Timeouts.POLL_S)
 
     def _probe(self, child: Child) -> bool:
         assert child.address is not None and child.runner is not None
@@ -306,7 +304,7 @@ class Supervisor:
                 raise StartupError("an API worker exited while starting (see its log above)")
             if time.monotonic() > deadline:
                 raise StartupError(f"the API did not become ready within {limit:g} s")
-            self.wake.wait(POLL_S)
+            self.wake.wait(Timeouts.POLL_S)
         log.info("batchserve ready at http://%s:%d (pid %d)", self.host, self.port, os.getpid())
 
     def _watch(self) -> None:
@@ -324,7 +322,7 @@ class Supervisor:
                     self._forget_gauges(child)
                 if child.due(time.monotonic(), self.timeouts):
                     self._replace(child)
-            self.wake.wait(WATCH_S)
+            self.wake.wait(Timeouts.WATCH_S)
 
     def _ping_runners(self) -> None:
         """On its own thread: ping every runner that has answered since it started; a runner

@@ -31,16 +31,12 @@ import uvicorn
 
 from ..runner.core.config import load
 from ..runner.core.security import credentials
+from ..runner.core.timeouts import Timeouts
 from ..runner.core.wire import Address
 from .app import App, create_app
 from .connection import protocol_for
 
 log = logging.getLogger("batchserve.api")
-FLUSH_S = 0.5
-"""The least time uvicorn gets to write the last answers, even at the end of the grace
-period; it fits in the second a process has after its drain (`timeouts.EXIT_MARGIN_S`)."""
-DRAIN_TICK_S = 0.1
-"""How often a draining worker checks whether its requests are answered."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -87,7 +83,7 @@ class DrainingServer(uvicorn.Server):
         if self.deadline is None and not self.should_exit:
             await self.signalled.wait()
         while not await self.on_tick(0):  # noqa: ASYNC110 - a deadline, polled while draining
-            await asyncio.sleep(DRAIN_TICK_S)
+            await asyncio.sleep(Timeouts.DRAIN_TICK_S)
 
     async def on_tick(self, counter: int) -> bool:
         if self.deadline is not None and not self.should_exit:
@@ -103,7 +99,7 @@ class DrainingServer(uvicorn.Server):
                         os.getpid(), service.inflight, self.drain_s)
             service.abandon()
         # uvicorn's graceful wait is the rest of this grace period, not another one.
-        self.config.timeout_graceful_shutdown = max(left, FLUSH_S)  # type: ignore[assignment]
+        self.config.timeout_graceful_shutdown = max(left, Timeouts.FLUSH_S)  # type: ignore[assignment]
         self.should_exit = True
 
 

@@ -1,5 +1,6 @@
 """How much goodput a rule that refuses at arrival reaches on a scenario when it knows the
-true cost: the point-6 targets set against a frontier, not only against the adaptive policy.
+true cost: the targets against BentoML's rule set against a frontier, not only against the
+adaptive policy.
 
     python -m benchmarks.at_arrival_bound [SCENARIO ...] [--reserves 0,0.5,1,2,3] [--seed N]
 
@@ -254,7 +255,7 @@ def frontier(
     scenario: Scenario, reserves: tuple[float, ...], seed: int, within: float = DECIDE_WITHIN
 ) -> list[str]:
     """A markdown table: BentoML, adaptive, and each rule on the known line at each reserve,
-    with the best goodput each rule reaches within each late bound of point 6."""
+    with the best goodput each rule reaches within each late bound of the targets."""
     bento = simulate(scenario, "bentoml", seed=seed)
     adaptive = simulate(scenario, "adaptive", seed=seed)
     out = [f"{scenario.name}, seed {seed}:", "",

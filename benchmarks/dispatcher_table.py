@@ -1,4 +1,4 @@
-"""One command for the dispatcher results table in docs/dispatcher.md (issues #3 and #7).
+"""One command for the dispatcher results in docs/dispatcher.md.
 
     python -m benchmarks.dispatcher_table [--scenarios DIR] [--json FILE] [--skip-capacity]
                                           [--skip-grid] [--seeds N] [--workers N]
@@ -6,9 +6,10 @@
 For every scenario it runs the adaptive policy, BentoML's rule, no batching, and the best fixed
 (window, cap) pair found by a grid search in hindsight on that same traffic; it then finds the
 capacity (the highest Poisson rate the best fixed setting serves with p99 within the SLO),
-checks points 1-4 of issue #3 and the targets of issue #7 point 6 (`benchmarks.targets`) on
-every scenario, and runs the generated grid (`benchmarks.grid`) with a summary of the worst
-cell per target. `--seeds N` runs the point-6 targets again on seeds 1..N of every scenario.
+checks the behaviour at low load, at 80% load, in overload and under changing traffic, and the
+targets against BentoML's rule (`benchmarks.targets`) on every scenario, and runs the generated
+grid (`benchmarks.grid`) with a summary of the worst cell per target. `--seeds N` runs the
+targets against BentoML's rule again on seeds 1..N of every scenario.
 Everything runs on the virtual clock, so the output is the same on any machine for a given
 seed, except the refit times measured on the wall clock.
 """
@@ -57,7 +58,8 @@ def fixed_meets_slo(scenario: Scenario, rate: float) -> bool:
 
 
 def capacity(scenario: Scenario, low: float = 1000.0, high: float = 2000.0) -> float:
-    """Bisect to 5 req/s on the best fixed setting's p99 (the definition in issue #3)."""
+    """Bisect to 5 req/s on the best fixed setting's p99: the capacity the overload check is
+    held to."""
     while high - low > 5.0:
         middle = (low + high) / 2.0
         low, high = (middle, high) if fixed_meets_slo(scenario, middle) else (low, middle)
@@ -72,7 +74,8 @@ def _pair(job: tuple[Scenario, int]) -> list[bool]:
 
 
 def seed_sweep(scenarios: dict[str, Scenario], seeds: int, workers: int) -> list[str]:
-    """The point-6 targets on seeds 1..`seeds`: on how many each target holds, per scenario."""
+    """The targets against BentoML's rule on seeds 1..`seeds`: on how many each target holds,
+    per scenario."""
     jobs = [(scenario, seed) for scenario in scenarios.values() for seed in range(1, seeds + 1)]
     with ProcessPoolExecutor(workers) as pool:
         found = list(pool.map(_pair, jobs))
@@ -112,8 +115,8 @@ def one_request_ms(scenario: Scenario) -> float:
 def checks(
     results: dict[str, list[Result]], cap_rps: float, scenarios: dict[str, Scenario]
 ) -> list[str]:
-    """Points 1-4 of issue #3 and the targets of issue #7 point 6, each with its numbers and
-    PASS or MISS."""
+    """The checks at low load, 80% load, overload and changing traffic, then the targets against
+    BentoML's rule, each with its numbers and PASS or MISS."""
     out: list[str] = []
     slo = {name: scenario.slo_ms for name, scenario in scenarios.items()}
 
@@ -127,25 +130,25 @@ def checks(
         low = get("low_load", "adaptive")
         single = one_request_ms(scenarios["low_load"])
         say(abs(low.p50_ms - single) <= 0.5,
-            f"1. low load p50 {low.p50_ms:.2f} ms vs one item {single:.2f} ms (within 0.5 ms)")
+            f"low load: p50 {low.p50_ms:.2f} ms vs one item {single:.2f} ms (within 0.5 ms)")
     if "load_80" in results:
         run = get("load_80", "adaptive")
         say(run.p99_ms <= slo["load_80"] and run.rejected <= 0.005 * run.requests
             and run.late <= 0.001 * run.requests,
-            f"2. 80% load p99 {run.p99_ms:.1f} ms, rejected {run.rejected}/{run.requests}, "
+            f"80% load: p99 {run.p99_ms:.1f} ms, rejected {run.rejected}/{run.requests}, "
             f"late {run.late}")
     if "overload_150" in results:
         run = get("overload_150", "adaptive")
         say(run.goodput_rps >= 0.95 * cap_rps and run.late <= 0.001 * run.requests
             and run.rejected_at_arrival == run.rejected,
-            f"3. overload goodput {run.goodput_rps:.1f} vs 95% of capacity "
+            f"overload: goodput {run.goodput_rps:.1f} vs 95% of capacity "
             f"{0.95 * cap_rps:.1f}, late {run.late}/{run.requests}, refused at arrival "
             f"{run.rejected_at_arrival}/{run.rejected}")
     for name in DYNAMIC:
         if name in results:
             ours, fixed = get(name, "adaptive"), get(name, "fixed")
             say(ours.goodput_rps >= fixed.goodput_rps,
-                f"4. {name}: goodput {ours.goodput_rps:.1f} vs best fixed {fixed.policy} "
+                f"{name}: goodput {ours.goodput_rps:.1f} vs best fixed {fixed.policy} "
                 f"{fixed.goodput_rps:.1f}")
     for name in results:
         ours, bento = get(name, "adaptive"), get(name, "bentoml")
@@ -172,7 +175,7 @@ def main(argv: list[str]) -> int:
                         help="assume 1700 req/s instead of searching for it (saves a minute)")
     parser.add_argument("--skip-grid", action="store_true", help="do not run the grid")
     parser.add_argument("--seeds", type=int, default=0,
-                        help="run the point-6 targets again on seeds 1..N (default 0: not)")
+                        help="run the targets against bentoml again on seeds 1..N (default 0: not)")
     parser.add_argument("--workers", type=int, default=WORKERS, help="processes (default 2)")
     args = parser.parse_args(argv)
     scenarios = {path.stem: load_scenario(path) for path in sorted(args.scenarios.glob("*.yml"))}
@@ -182,7 +185,8 @@ def main(argv: list[str]) -> int:
     print(f"\ncapacity (best fixed setting, p99 within the SLO): {cap_rps:.0f} req/s\n")
     print("\n".join(checks(results, cap_rps, scenarios)))
     if args.seeds > 0:
-        print(f"\npoint 6 on seeds 1-{args.seeds} (targets held, adaptive against bentoml):")
+        print(f"\nthe targets on seeds 1-{args.seeds} (on how many seeds each holds, "
+              "adaptive against bentoml):")
         print("\n".join(seed_sweep(scenarios, args.seeds, args.workers)))
     refits = [run for runs in results.values() for run in runs if run.refits]
     mean = sum(run.refit_ms_mean * run.refits for run in refits) / sum(r.refits for r in refits)

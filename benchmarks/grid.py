@@ -1,4 +1,5 @@
-"""A generated grid of cost profiles, caps, limits and loads (issue #7 point 6).
+"""A generated grid of cost profiles, caps, limits and loads, on which the adaptive policy
+meets its targets against BentoML's rule (`benchmarks.targets`).
 
 Every cell is one steady Poisson scenario with single-row requests and a synthetic cost with
 lognormal noise (sigma 0.05), run by the adaptive policy and by BentoML's rule on the same

@@ -1,4 +1,4 @@
-"""The live table (issue 7): the real server under two independent open-loop clients.
+"""The live table: the real server under two independent open-loop clients.
 
 For each client (batchserve's own generator, then the shared aiohttp one) and each rate, a
 fresh server is started, warmed up, and driven for ``--runs`` runs of ``--seconds`` each;
@@ -150,7 +150,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside")
     p.add_argument("--json", type=Path, help="write every figure to this file")
-    p.add_argument("--readme", type=Path, help="also put the tables into this file, between "
+    p.add_argument("--doc", "--readme", dest="doc", type=Path,
+                   help="also put the tables into this file (docs/performance.md), between "
                    f"the lines {README_START!r} and {README_END!r}")
     args = p.parse_args(argv)
     args.port = 0  # batchserve.api.bench.server.serve picks a free port
@@ -201,8 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nserver logs: {args.logs}")
     if args.json:
         args.json.write_bytes(as_json(report))
-    if args.readme:
-        replace_block(args.readme, text)
+    if args.doc:
+        replace_block(args.doc, text)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The targets of issue #7 point 6: the adaptive policy against BentoML's rule on the same traffic.
+"""The targets of the adaptive policy against BentoML's rule on the same traffic:
 
 - goodput at least 0.99 times BentoML's;
 - late at most the larger of 0.1% of requests and BentoML's late share;
@@ -62,4 +62,4 @@ def verdicts(ours: Result, bento: Result, slo_ms: float) -> list[Verdict]:
 
 
 def lines(name: str, found: Sequence[Verdict]) -> list[str]:
-    return [f"- {'PASS' if v.ok else 'MISS'}: 6. {name}: {v.text}" for v in found]
+    return [f"- {'PASS' if v.ok else 'MISS'}: {name}: {v.text}" for v in found]

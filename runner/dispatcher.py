@@ -11,8 +11,8 @@ A request's size for the policy is its cost (`Signature.cost`): its rows, or for
 pad inputs its elements, bounded by `max_batch_elements`; such a request is one sequence,
 one row of the outputs, and never cut.
 
-The gauges are republished after batches (at most every `RunnerMetrics.GAUGE_PERIOD_S`) and,
-once traffic stops, every `RunnerMetrics.PUBLISH_S` until they read idle, so a scrape of an
+The gauges are republished after batches (at most every `Timeouts.GAUGE_PERIOD_S`) and,
+once traffic stops, every `Timeouts.PUBLISH_S` until they read idle, so a scrape of an
 idle runner reads idle while the idle runner sets no timer; counts are tallied in the process
 and written out with the gauges and whenever the dispatcher falls idle. A rejection is counted
 once per whole request, when its one answer goes out.
@@ -39,6 +39,7 @@ from . import batching
 from .core import ragged
 from .core.config import RunnerConfig
 from .core.signature import Signature
+from .core.timeouts import Timeouts
 from .core.types import BYTES, ModelInputs, Tensors
 from .core.wire import FailureCode
 from .metrics import RunnerMetrics
@@ -223,7 +224,7 @@ class Dispatcher:
         stats = self.policy.stats(self.clock())
         self.metrics.publish(stats, force=True)
         if self._jobs or stats.arrival_rps >= IDLE_RPS:
-            self._ticker = self._loop.call_later(self.metrics.PUBLISH_S, self._tick)
+            self._ticker = self._loop.call_later(Timeouts.PUBLISH_S, self._tick)
 
     def _time(self, rows: int, tensors: Tensors) -> Timing:
         started, cpu = self.clock(), self.cpu_clock()
@@ -258,7 +259,7 @@ class Dispatcher:
         self._halted = True
         self._arm(None, self.clock())
         for ident in list(self._jobs):
-            self._answer(ident, Rejection(FailureCode.STOPPING, why, 1.0))
+            self._answer(ident, Rejection(FailureCode.STOPPING, why, Timeouts.RETRY_AFTER_S))
 
     # --- arrivals -----------------------------------------------------------------------------
 
@@ -281,10 +282,12 @@ class Dispatcher:
             self._reply(reply, Rejection(FailureCode.INVALID, str(problem)))
             return
         if not self._accepting:
-            self._reply(reply, Rejection(FailureCode.STOPPING, "the runner is stopping", 1.0))
+            self._reply(reply, Rejection(
+                FailureCode.STOPPING, "the runner is stopping", Timeouts.RETRY_AFTER_S
+            ))
             return
         if self._ticker is None and self._loop is not None:
-            self._ticker = self._loop.call_later(self.metrics.PUBLISH_S, self._tick)
+            self._ticker = self._loop.call_later(Timeouts.PUBLISH_S, self._tick)
         now = self.clock()
         deadline = now + min(budget_s, self.max_latency_s)
         cost = self.signature.cost(tensors, rows)
@@ -340,7 +343,7 @@ class Dispatcher:
         ident = next(self._ids)
         self._jobs[ident] = job
         if not self.policy.offer(Request(ident, rows, now, deadline, group), now):
-            retry = max(self.max_latency_s, 0.001)
+            retry = max(self.max_latency_s, Timeouts.RETRY_FLOOR_S)
             self._answer(ident, Rejection(
                 FailureCode.REFUSED,
                 f"runner {self.runner.name!r} cannot answer within its deadline now",
@@ -425,7 +428,7 @@ class Dispatcher:
         log.critical("runner %s: the model thread has not come back; exiting to be replaced",
                      self.runner.name)
         self._halt("the runner is restarting")
-        self._loop.call_later(0.1, os._exit, EXIT_HUNG)  # after the answers reach the socket
+        self._loop.call_later(Timeouts.EXIT_DELAY_S, os._exit, EXIT_HUNG)
 
     def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
         """From a worker thread: run `callback` on the loop, unless the runner has stopped."""

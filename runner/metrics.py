@@ -4,7 +4,7 @@ Runners and API workers are separate processes, so metrics go through prometheus
 multiprocess mode: the supervisor gives every process one `PROMETHEUS_MULTIPROC_DIR`, and an
 API worker's `/metrics` merges them. Live gauges keep one series per process (`liveall`), so
 a dead runner's gauges disappear when the supervisor marks it dead; a live runner republishes
-them every `PUBLISH_S` whether or not traffic flows, so an idle runner reads idle.
+them every `Timeouts.PUBLISH_S` whether or not traffic flows, so an idle runner reads idle.
 
 Counters count whole requests: a request cut into pieces (over `max_batch_size`) that is
 refused or expires counts once in `batchserve_rejections_total`, under the reason it was
@@ -23,6 +23,7 @@ from typing import Any, TextIO
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from .core.timeouts import Timeouts
 from .policy.base import Batch, PolicyStats
 
 
@@ -94,21 +95,23 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2
 SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 batch_size = Histogram(
-    "batchserve_adaptive_batch_size", "Rows in each batch the dispatcher released",
+    "batchserve_adaptive_batch_size", "Rows in each batch run (requests, for ragged or pad inputs)",
     ["runner", "method"], buckets=BATCH_BUCKETS,
 )
 queue_wait = Histogram(
-    "batchserve_queue_wait_seconds", "Time from a request's arrival to its batch's start",
+    "batchserve_queue_wait_seconds",
+    "Time from a request's arrival to its batch's start (one observation a piece)",
     ["runner"], buckets=SECONDS_BUCKETS,
 )
 batch_duration = Histogram(
-    "batchserve_batch_duration_seconds", "Processing time of each batch (join, model, split)",
+    "batchserve_batch_duration_seconds", "Wall time of each batch: join, model, split",
     ["runner"], buckets=SECONDS_BUCKETS,
 )
 RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 batch_time_ratio = Histogram(
     "batchserve_batch_time_ratio",
-    "Each batch's wall time over the high-quantile time the latency model predicted for it",
+    "Each batch's wall time over the high-quantile time the latency model predicted for it; "
+    "near 1 at its p99 while the model holds",
     ["runner"], buckets=RATIO_BUCKETS,
 )
 batch_cpu = Histogram(
@@ -117,7 +120,8 @@ batch_cpu = Histogram(
 )
 rejections = Counter(
     "batchserve_rejections_total",
-    "Whole requests the runner answered 503 without running them (pieces count once)",
+    "Whole requests the runner answered 503 without running them, by reason: refused, "
+    "expired, stopping (a request cut into pieces counts once)",
     ["runner", "reason"],
 )
 REJECTION_REASONS = ("refused", "expired", "stopping")
@@ -126,11 +130,12 @@ starts = Counter(
     ["runner"],
 )
 batches = Counter(
-    "batchserve_batches_total", "Batches released, by the reason they were released",
+    "batchserve_batches_total", "Batches released, by why: idle, window, deadline, full, cap",
     ["runner", "reason"],
 )
 _GAUGES = {
-    "window_s": ("batchserve_dispatcher_window_seconds", "The dispatcher's current window"),
+    "window_s": ("batchserve_dispatcher_window_seconds",
+                 "The dispatcher's current window: the longest it waits for more rows"),
     "cap": ("batchserve_dispatcher_batch_cap",
             "The dispatcher's current batch cap in rows (elements for ragged or pad inputs)"),
     "intercept_s": ("batchserve_latency_model_intercept_seconds", "Fitted time per batch"),
@@ -177,15 +182,9 @@ class RunnerMetrics:
     """The metric children of one runner, resolved once so the hot path does no lookups.
 
     Batches and rejections are tallied in the process (`Tally`, `Count`) and written out by
-    `flush`: with the gauges every `GAUGE_PERIOD_S` while batches run, and whenever the
+    `flush`: with the gauges every `Timeouts.GAUGE_PERIOD_S` while batches run, and whenever the
     dispatcher falls idle, so a scrape after the last answer reads every request of it.
     """
-
-    GAUGE_PERIOD_S = 0.1
-    PUBLISH_S = 1.0
-    """How often the dispatcher republishes its gauges after traffic, until they read idle: a
-    scrape sees state at most this old, and an arrival rate decays to zero within a few
-    periods of the last arrival."""
 
     def __init__(self, runner: str, latency_limit_s: float = 0.0) -> None:
         self.runner = runner
@@ -249,10 +248,10 @@ class RunnerMetrics:
 
     def publish(self, stats: PolicyStats, force: bool = False) -> None:
         """Copy the policy's live state into the gauges and flush the tallies, at most every
-        GAUGE_PERIOD_S unless `force` (the periodic publish), which also flushes the batch
-        log."""
+        `Timeouts.GAUGE_PERIOD_S` unless `force` (the periodic publish), which also flushes the
+        batch log."""
         now = time.monotonic()
-        if not force and now - self._published < self.GAUGE_PERIOD_S:
+        if not force and now - self._published < Timeouts.GAUGE_PERIOD_S:
             return
         self._published = now
         self.flush()

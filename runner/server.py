@@ -290,7 +290,7 @@ async def _start_status(
         if task.done():
             task.result()
             raise ValueError(f"cannot serve metrics and health on {host}:{port}")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(Timeouts.STATUS_POLL_S)
     log.info("runner metrics and health on http://%s:%d", host, server.port)
     return server, task
 

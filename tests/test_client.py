@@ -171,9 +171,8 @@ def test_inputs_that_are_not_arrays_are_refused_before_sending(bundled: Server) 
     assert answered(bundled, "400") == before
 
 
-def test_the_readme_example_runs(bundled: Server) -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Python client", 1)[1]
+def test_the_documented_example_runs(bundled: Server) -> None:
+    section = (ROOT / "docs" / "client.md").read_text()
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert "http://127.0.0.1:3000" in code
     exec(code.replace("http://127.0.0.1:3000", bundled.url), {})

@@ -1,4 +1,4 @@
-"""Closed-loop clients on the bundled `mlp` are never refused (issue 7).
+"""Closed-loop clients on the bundled `mlp` are never refused.
 
 Each client is a thread with its own `tritonclient.http` client that sends one row, waits
 for the answer and sends the next, for a fixed time. Every answer is counted by status and

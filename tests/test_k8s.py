@@ -57,7 +57,7 @@ def kustomize(tree: Path, name: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of deploy/k8s with a fresh token file, as a user makes it (README)."""
+    """A copy of deploy/k8s with a fresh token file, as a user makes it (docs/deployment.md)."""
     copy = tmp_path_factory.mktemp("k8s") / "k8s"
     shutil.copytree(K8S, copy)
     (copy / TOKEN_FILE).write_text(f"token={secrets.token_hex(32)}\n")
@@ -313,7 +313,8 @@ def test_a_leaving_runner_serves_until_the_api_resolves_its_service_again(
 
 def test_grace_periods_cover_the_drain(rendered: dict[str, list[Doc]]) -> None:
     """A runner drains for drain_s and is stuck past kill_after_s; the API pod's supervisor
-    stops within 2 x kill_after_s (README, "Stopping"). Both after their preStop sleep."""
+    stops within 2 x kill_after_s (docs/deployment.md, "Stopping"). Both after their preStop
+    sleep."""
     docs = rendered["base"]
     timeouts = Timeouts(**configuration(docs)["timeouts"])
     for component, stop_s in (("runner", timeouts.kill_after_s),

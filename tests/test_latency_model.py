@@ -1,4 +1,4 @@
-"""The latency model recovers known lines from noisy batches, at low load too (issue #3)."""
+"""The latency model recovers known lines from noisy batches, at low load too."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import random
 import pytest
 
 from batchserve.runner.policy.latency_model import (
-    MAX_MOVE,
     Fit,
     LatencyModel,
     RateEstimator,
     Timing,
     fit_samples,
 )
+from batchserve.runner.policy.tuning import Tuning
 
 INTERCEPT_S = 0.005
 SLOPE_S = 0.0005
@@ -94,7 +94,7 @@ def test_high_quantile_covers_ninety_nine_percent() -> None:
 
 def test_recent_batches_outweigh_old_ones_after_a_cost_change() -> None:
     rng = random.Random(5)
-    model = LatencyModel(window=128, half_life=16)
+    model = LatencyModel(Tuning(sample_window=128, half_life=16))
     for _ in range(96):
         rows = rng.randint(1, 64)
         add(model, rows, batch_time(rows, rng))
@@ -106,7 +106,7 @@ def test_recent_batches_outweigh_old_ones_after_a_cost_change() -> None:
 
 
 def test_snapshot_weights_halve_every_half_life() -> None:
-    model = LatencyModel(half_life=2, calibration_weight=0.25)
+    model = LatencyModel(Tuning(half_life=2, calibration_weight=0.25))
     model.calibrate([Timing(8, 0.01, 0.01)])
     for rows in (1, 2, 3):
         add(model, rows, 0.01)
@@ -267,7 +267,7 @@ def test_one_hiccup_among_the_first_batches_is_not_read_as_their_p99() -> None:
     with_stalls(model, rng, 60, {30: 0.15})
     for _ in range(5):  # refits while the hundred batches a p99 needs are not in yet
         fit = refit(model)
-    assert fit.factor <= 1.0 * MAX_MOVE  # the calibration's tail, moved at most once
+    assert fit.factor <= 1.0 * Tuning().max_move  # the calibration's tail, moved at most once
     assert fit.overruns[-1] == pytest.approx(0.15, rel=0.05)  # the stall rule still sees it
 
 

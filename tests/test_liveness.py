@@ -24,9 +24,10 @@ from batchserve.api.bench.loadgen import run_load
 from batchserve.runner.core.types import Tensors
 from batchserve.runner.core.wire import FailureCode
 from batchserve.runner.dispatcher import Rejection
-from batchserve.runner.policy.adaptive import AdaptivePolicy, Tuning
+from batchserve.runner.policy.adaptive import AdaptivePolicy
 from batchserve.runner.policy.base import Batch, Request
 from batchserve.runner.policy.latency_model import Fit, Timing
+from batchserve.runner.policy.tuning import Tuning
 from tests.conftest import Server
 from tests.test_dispatcher import Gate, ask, dispatcher, rows
 
@@ -48,7 +49,7 @@ def calibrated(size: int = 64, latency_s: float = 0.1) -> AdaptivePolicy:
 def check_step(policy: AdaptivePolicy, now: float, running: bool, batch: Batch | None,
                wake_at: float | None) -> None:
     """The liveness rule at one poll of an idle model with work queued."""
-    queue = policy._queue  # noqa: SLF001 - the rule is about the queue the policy holds
+    queue = policy._waiting.requests  # noqa: SLF001 - the rule is about the queue the policy holds
     if running or batch is not None or not queue:
         return
     assert wake_at is not None, "work queued, model idle, and no wake-up asked for"

@@ -1,4 +1,4 @@
-"""Monitoring a user can trust (issue 10), on the real server with two API workers and two
+"""Monitoring a user can trust, on the real server with two API workers and two
 runner processes: counters that add up, gauges true at scrape time, a `/metrics` page that
 promtool accepts, and Debian's Prometheus running the shipped scrape config and alert rules
 against it, with every panel query and alert expression returning data and the 503-ratio

@@ -1,4 +1,4 @@
-"""Policies on a fake clock: every decision is exact, nothing sleeps (issue #3)."""
+"""Policies on a fake clock: every decision is exact, nothing sleeps."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import math
 
 import pytest
 
-from batchserve.runner.policy.adaptive import AdaptivePolicy, Tuning, best_cap
+from batchserve.runner.policy.adaptive import AdaptivePolicy, best_cap
 from batchserve.runner.policy.base import Batch, GreedyPolicy, Request, Step
 from batchserve.runner.policy.baselines import BentoMLPolicy, FixedPolicy, NoBatchingPolicy
 from batchserve.runner.policy.latency_model import Fit, Timing
 from batchserve.runner.policy.policies import make_policy
+from batchserve.runner.policy.tuning import Tuning
 
 SLO = 0.1
 
@@ -437,7 +438,7 @@ def test_promises_count_the_idle_gap_between_back_to_back_batches() -> None:
     # the worst of them at the gaps' high quantile.
     policy.offer(request(100, now), now)
     policy.offer(request(101, now), now)
-    shift = policy.promised_finish(1, now) - policy._done_mean
+    shift = policy.promised_finish(1, now) - policy._busy.done_mean
     assert shift == pytest.approx(3 * 0.004 + 2 * mean + 0.002)
     assert before == pytest.approx(0.008)  # no gaps seen yet: the running batch and its own
 
@@ -545,7 +546,7 @@ def test_a_long_wait_for_the_model_joins_the_tail_not_adds_to_it() -> None:
     assert excess > 0.02
     # The running batch and a request's own: their tail is 10 times each mean, as a cube norm.
     tail = 10.0 * (2 * 0.002**3) ** (1 / 3)
-    promise = policy.promised_finish(1, now) - policy._done_mean
+    promise = policy.promised_finish(1, now) - policy._busy.done_mean
     assert promise == pytest.approx(gaps.mean + 0.002 + (tail**3 + excess**3) ** (1 / 3))
     assert promise < gaps.mean + 0.002 + tail + excess
 

@@ -232,10 +232,10 @@ def test_metadata_and_the_python_client_treat_a_request_as_one_sequence(
     np.testing.assert_array_equal(scores, alone(RaggedText(), tokens))
 
 
-def test_the_readme_examples_run_against_the_bundled_text_model(bundled: Server) -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Variable-length inputs (ragged and pad)", 1)[1]
-    section = section.split("\n### ", 1)[0]
+def test_the_documented_examples_run_against_the_bundled_text_model(bundled: Server) -> None:
+    guide = (ROOT / "docs" / "configuration.md").read_text()
+    section = guide.split("## Variable-length inputs (ragged and pad)", 1)[1]
+    section = section.split("\n## ", 1)[0]
     request = section.split("```sh\n", 1)[1].split("-d '", 1)[1].split("'\n", 1)[0]
     expected = section.split("```json\n", 1)[1].split("```", 1)[0]
     with bundled.client() as client:

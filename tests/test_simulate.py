@@ -189,7 +189,7 @@ def test_batch_reasons_are_recorded() -> None:
     assert Batch((Request(1, 2, 0.0, 1.0),), "idle").rows == 2
 
 
-# --- a shared machine: contention, tail, stalls, replay (issue #7) -------------------------
+# --- a shared machine: contention, tail, stalls, replay ------------------------------------
 
 
 class Spy:
@@ -372,7 +372,7 @@ def test_shipped_machine_scenarios_load() -> None:
         assert load_scenario(SCENARIOS / f"{name}.yml").phases[0].cost.inflated
 
 
-# --- the generated grid (issue #7 point 6) --------------------------------------------------
+# --- the generated grid ------------------------------------------------------------------
 
 
 def test_grid_has_every_combination_once_with_full_batches_a_share_of_the_limit() -> None:

@@ -10,8 +10,13 @@ What stays elsewhere, and why:
 - A runner's `batch_timeout_ms` (how long one model call may run) belongs to its model, so it
   stays per runner in `runners.NAME`; the API's wait for a call is derived from it and from
   the request's own deadline: `budget + batch_timeout + call_slack_s`.
-- Ticks that are part of an algorithm's tuning (the front shedder's 10 ms lag probe, the
-  dispatcher's gauge and refit periods) are not timeouts and stay beside the code they tune.
+- The adaptive policy's own periods (its refit cadence, the time constant of its rates) are
+  part of its decisions and live in `batchserve.runner.policy.tuning.Tuning`.
+
+The periods of the processes' own loops (how often the supervisor looks at its children, a
+runner republishes its gauges, a worker probes its loop's lag) are not configuration: they are
+fixed class constants of `Timeouts`, each with its reason, so every duration the server waits
+on is still read from this one object.
 
 A stop in time (SIGTERM to the supervisor at t = 0):
 
@@ -26,9 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-
-EXIT_MARGIN_S = 1.0
-"""Time a process gets after its drain to close sockets and leave the interpreter."""
+from typing import ClassVar
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +83,49 @@ class Timeouts:
     runner drops a connection silent for `ping_misses + 1` times this. It is also the idle
     time before TCP keepalive probes start."""
 
+    # --- fixed periods: not configuration keys ---------------------------------------------
+
+    EXIT_MARGIN_S: ClassVar[float] = 1.0
+    """Time a process gets after its drain to close sockets and leave the interpreter: what
+    `kill_after_s` must leave beyond `drain_s`."""
+    POLL_S: ClassVar[float] = 0.05
+    """How often the supervisor checks its children while they start; a signal wakes it at
+    once, so this only bounds how soon a child's own readiness is seen."""
+    WATCH_S: ClassVar[float] = 0.1
+    """How often the supervisor's main loop looks for dead or hung children: a dead one is
+    replaced, and its gauges dropped, within this of its death."""
+    FLUSH_S: ClassVar[float] = 0.5
+    """The least time uvicorn gets to write the last answers, even at the end of the grace
+    period; it fits in the second a process has after its drain (`EXIT_MARGIN_S`)."""
+    DRAIN_TICK_S: ClassVar[float] = 0.1
+    """How often a draining API worker checks whether its requests are answered."""
+    PUBLISH_S: ClassVar[float] = 1.0
+    """How often a runner and a busy API worker republish their live gauges: a scrape sees
+    state at most this old, and an idle runner's arrival rate decays to zero within a few
+    periods of the last arrival."""
+    GAUGE_PERIOD_S: ClassVar[float] = 0.1
+    """The least time between two publications of a runner's gauges and tallies while batches
+    run, so publishing costs next to nothing beside the batches."""
+    LAG_PROBE_S: ClassVar[float] = 0.01
+    """How often an API worker measures its loop's lag while requests are in flight: 100
+    wake-ups a second, next to nothing beside the requests themselves, and none while idle."""
+    LAG_FLOOR_S: ClassVar[float] = 0.010
+    """The least loop lag that counts as falling behind, whatever the limits: below it, a loop
+    on shared cores is only waiting its turn for the scheduler."""
+    STATUS_POLL_S: ClassVar[float] = 0.01
+    """How often a runner checks that its metrics and health server has started."""
+    EXIT_DELAY_S: ClassVar[float] = 0.1
+    """How long a runner whose model thread never came back waits, after answering what it
+    held, before it exits: time for those answers to reach their sockets."""
+    RETRY_AFTER_S: ClassVar[float] = 1.0
+    """The least `Retry-After` an answer 503 carries (HTTP counts it in whole seconds), and
+    what a stopping runner suggests."""
+    RETRY_FLOOR_S: ClassVar[float] = 0.001
+    """The least retry hint a runner's refusal carries, for a runner with a tiny limit."""
+    CALL_WAIT_S: ClassVar[float] = 3600.0
+    """How long past its budget a call waits for a runner when the caller gives no bound of
+    its own (tools and tests; the API worker always gives `batch_timeout + call_slack_s`)."""
+
     def __post_init__(self) -> None:
         for item in fields(self):
             value = getattr(self, item.name)
@@ -96,11 +142,12 @@ class Timeouts:
 
     def inconsistency(self) -> str | None:
         """Why these values cannot work together, or None when they can."""
-        if self.kill_after_s < self.drain_s + EXIT_MARGIN_S:
+        margin = self.EXIT_MARGIN_S
+        if self.kill_after_s < self.drain_s + margin:
             return _wrong(
                 "kill_after_s", self.kill_after_s,
-                f"at least timeouts.drain_s + {EXIT_MARGIN_S:g} "
-                f"({self.drain_s + EXIT_MARGIN_S:g}), so a process is not killed while it "
+                f"at least timeouts.drain_s + {margin:g} "
+                f"({self.drain_s + margin:g}), so a process is not killed while it "
                 "drains",
             )
         for first, longest in (("restart_first_s", "restart_max_s"),

@@ -9,24 +9,14 @@ in `batchserve.runner.policy.base` and is built by name through
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from .base import Batch, PolicyStats, Reason, Request, Step
-from .latency_model import Fit, LatencyModel, RateEstimator, RecentQuantile, Timing, fit_samples
-
-HOLD_MIN_ARRIVALS = 2.0
-"""A hold is worth it only if at least this many requests are expected to arrive during it;
-at lower rates the batch goes out at once, so low load never waits."""
-
-STALE_JOB_S = 10.0
-"""A refit handed out and never applied (the job failed) stops blocking the next after this."""
-
-WAIT_MEMORY = 0.05
-"""Weight of the newest request in the moving average of queue wait."""
+from .latency_model import Fit, LatencyModel, RecentQuantile, Timing, fit_samples
+from .state import Costs, Limits, Rates, Refits, Running, Waiting
+from .tuning import DEFAULT_TUNING, Tuning
 
 TAIL_INDEX = 3.0
 """How the heavy tail of batch times (the part of the high quantile beyond `k * spread`) adds
@@ -34,55 +24,6 @@ up over several batches: as the `TAIL_INDEX`-norm of their means. For a power-la
 index, the chance that a sum of batches runs a given excess over is the sum of the chances of
 each batch alone (one batch rarely hits at once with another), which gives that norm; the
 normal part still adds in quadrature (docs/dispatcher.md, "The tail")."""
-
-
-@dataclass(frozen=True)
-class Tuning:
-    """Every tuning constant of the adaptive policy and its latency model, in one place.
-
-    The defaults are what docs/dispatcher.md measures; a user has no reason to change them,
-    which is why the configuration file does not expose them. Tests and experiments do.
-    """
-
-    quantile_k: float = 3.0
-    """Spreads above the line that a batch's high quantile sits (about its p99.9)."""
-    promise_k: float = 3.3
-    """The same for a promise over several batches: a little higher, for the 0.1% late target
-    summed over the batches a request waits for."""
-    sample_window: int = 128
-    """Measured batches the regression keeps."""
-    stretch_window: int = 1024
-    """Measured batches the stretch, its spread and its tail are read from. The tail is their
-    99th percentile, which must be the contention's and not a rare stall's: a stall in 500
-    batches, seen three times in 256 by chance, would set a 256-batch p99 and refuse nearly
-    everything until it left the window."""
-    half_life: float = 32.0
-    """Batches back at which a measured batch weighs half as much as the newest."""
-    calibration_weight: float = 0.1
-    """Weight of each start-up timing against a measured batch, so traffic soon dominates."""
-    calibration_repeats: int = 2
-    """Times each calibration size is run at start-up."""
-    rate_tau_s: float = 0.1
-    """Time constant of the arrival-rate estimates."""
-    refit_every: int = 16
-    """Batches between refits, at the least ..."""
-    refit_period_s: float = 0.25
-    """... and seconds between them ..."""
-    refit_rows: int = 64
-    """... and rows measured since the last one."""
-    hold_share: float = 0.2
-    """The longest hold for more rows, as a share of the latency limit."""
-    hold_load: float = 0.5
-    """The share of time the model runs that bounds the hold from both sides: one request at a
-    time must keep it busy at least this much, and amortised batches less (`hold_s`)."""
-    tail_share: float = 0.5
-    """The most of a request's time left that the heavy tail's reserve may take."""
-    stall_after: float = 3.0
-    """A batch still running at this multiple of its predicted high quantile has stalled (a
-    GC pause, a hung call, a descheduled thread): too far out for the contention tail, whose
-    p99 the high quantile already is. It is then expected to overrun as long as the recent
-    batches that overran longer did on average (`Fit.overruns`), or, if none did, to run on
-    for half the time it has run, a Pareto tail's expected remainder at `TAIL_INDEX`."""
 
 
 class AdaptivePolicy:
@@ -99,56 +40,25 @@ class AdaptivePolicy:
         self,
         max_batch_size: int,
         max_latency_s: float,
-        tuning: Tuning = Tuning(),
+        tuning: Tuning = DEFAULT_TUNING,
         *,
         max_requests: int | None = None,
     ) -> None:
         """`max_batch_size` caps a batch in the units requests are sized in (`Request.rows`:
         rows, or elements for ragged inputs); `max_requests`, if given, also caps how many
         requests one batch holds (a runner's `max_batch_size` when it counts elements)."""
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size has value {max_batch_size}; it must be at least 1")
-        if max_latency_s <= 0:
-            raise ValueError(f"max_latency_s has value {max_latency_s}; it must be positive")
-        if max_requests is not None and max_requests < 1:
-            raise ValueError(f"max_requests has value {max_requests}; it must be at least 1")
-        self.max_batch_size = max_batch_size
-        self.max_latency_s = max_latency_s
-        self.max_requests = max_requests
-        self._request_bound = math.inf if max_requests is None else max_requests
+        self.limits = Limits(max_batch_size, max_latency_s, max_requests)
         self.tuning = tuning
-        self.model = LatencyModel(
-            window=tuning.sample_window,
-            stretch_window=tuning.stretch_window,
-            half_life=tuning.half_life,
-            calibration_weight=tuning.calibration_weight,
-            quantile_k=tuning.quantile_k,
-        )
-        self._last_refit = -math.inf
+        self.model = LatencyModel(tuning)
+        # The decisions, as the last retune left them (see `stats`).
         self.cap = max_batch_size
         self.window_s = 0.0
         self.target_rows = 0.0
         self.refused = 0
-        self._queue: deque[Request] = deque()
-        self._queued_rows = 0
-        self._group_rows: dict[tuple[str, ...], int] = {}  # queued rows by group
-        self._held_cap = 0
-        self._next_rows = 0  # rows promised to the next batch, past the cap
-        self._running: Batch | None = None
-        self._done_mean = 0.0
-        self._running_mean_s = 0.0
-        self._stalled_at = math.inf  # when the running batch counts as stalled
-        self._probe = -1  # the id of the last request an idle model admitted on its cost curve
-        self._request_rate = RateEstimator(tuning.rate_tau_s)
-        self._row_rate = RateEstimator(tuning.rate_tau_s)
-        # rows/s admitted (refused rows never join), and the same seeing a step within ms
-        self._admitted_rate = RateEstimator(tuning.rate_tau_s)
-        self._admitted_now = RateEstimator(tuning.rate_tau_s / 5.0)
-        self._queue_wait_s = 0.0
-        self._fresh = 0
-        self._fresh_rows = 0
-        self._shifted = False
-        self._pending_since: float | None = None
+        self._waiting = Waiting()
+        self._busy = Running()
+        self._rates = Rates.with_memory(tuning.rate_tau_s)
+        self._refits = Refits()
         # How long the model stands idle before a batch: between two run back to back the
         # loop has to see one end and the model thread to pick up the next; after a release
         # from idle, the model thread has to wake. No batch's own time shows it, yet a request
@@ -156,37 +66,30 @@ class AdaptivePolicy:
         # milliseconds. Every batch measures it, so it heals with the machine even while
         # refusals leave no batch run back to back (a 70 ms p99 from a busy spell once stood
         # for seconds and refused most requests).
-        self._gaps = RecentQuantile(window=256, every=16, quantile=0.99)
-        self._released = 0.0  # when the running batch was handed out
-        self._last_finished = 0.0  # when the last batch ended
-        self._just_completed = False  # the next poll follows a batch's end
-        self._chained = False  # the running batch went out at once after the one before
+        self._gaps = RecentQuantile(
+            window=tuning.gap_window, every=tuning.gap_every, quantile=tuning.gap_quantile
+        )
         self._use(Fit())
 
     # --- the contract ---------------------------------------------------------------------
 
     def offer(self, request: Request, now: float) -> bool:
-        self._request_rate.add(now)
-        self._row_rate.add(now, request.rows)
+        self._rates.requests.add(now)
+        self._rates.rows.add(now, request.rows)
         if not self._admits(request, now):
             self.refused += 1
             return False
-        self._queue.append(request)
-        self._queued_rows += request.rows
-        group = request.group
-        self._group_rows[group] = self._group_rows.get(group, 0) + request.rows
-        self._admitted_rate.add(now, request.rows)
-        self._admitted_now.add(now, request.rows)
-        if self.cap > self._held_cap:
-            self._held_cap = self.cap
+        self._waiting.add(request, self.cap)
+        self._rates.admitted.add(now, request.rows)
+        self._rates.admitted_now.add(now, request.rows)
         return True
 
     def poll(self, now: float) -> Step:
         expired = self._expire_head(now)
-        queue = self._queue
-        if self._running is not None:
+        queue, busy = self._waiting.requests, self._busy
+        if busy.batch is not None:
             return Step(expired=expired, wake_at=queue[0].deadline if queue else None)
-        chained, self._just_completed = self._just_completed, False
+        chained, busy.just_completed = busy.just_completed, False
         if not queue:
             return Step(expired=expired)
         self._retune(now)
@@ -194,34 +97,35 @@ class AdaptivePolicy:
         if reason is None:
             return Step(expired=expired, wake_at=wake_at)
         batch, dropped = self._take(now, reason)
-        self._chained = chained and batch is not None
+        busy.chained = chained and batch is not None
         return Step(batch=batch, expired=expired + dropped)
 
     def complete(
         self, batch: Batch, started: float, finished: float, cpu_s: float | None = None
     ) -> None:
-        self._running = None
-        after = self._last_finished if self._chained else self._released
+        busy, refits = self._busy, self._refits
+        busy.batch = None
+        after = busy.last_finished if busy.chained else busy.released
         self._gaps.add(max(0.0, started - after))
-        self._last_finished, self._just_completed = finished, True
+        busy.last_finished, busy.just_completed = finished, True
         elapsed = finished - started
         rows = batch.rows
         if self.model.add(rows, elapsed, elapsed if cpu_s is None else cpu_s):
-            self._shifted = True
-        self._fresh += 1
-        self._fresh_rows += rows
+            refits.shifted = True
+        refits.fresh += 1
+        refits.fresh_rows += rows
 
     def stats(self, now: float) -> PolicyStats:
-        fit = self._fit
+        fit = self._costs.fit
         return PolicyStats(
             window_s=self.window_s,
             cap=self.cap,
             intercept_s=fit.intercept_s,
             slope_s=fit.slope_s,
             p99_batch_s=fit.high(self.cap),
-            arrival_rps=self._request_rate.rate(now),
-            queued=len(self._queue),
-            queue_wait_s=self._queue_wait_s,
+            arrival_rps=self._rates.requests.rate(now),
+            queued=len(self._waiting.requests),
+            queue_wait_s=self._rates.queue_wait_s,
             target_rows=self.target_rows,
             spread=fit.spread,
             stretch=fit.stretch,
@@ -229,7 +133,7 @@ class AdaptivePolicy:
         )
 
     def calibration_sizes(self) -> tuple[int, ...]:
-        sizes = sorted({min(2**i, self.max_batch_size) for i in range(32)})
+        sizes = sorted({min(2**i, self.limits.max_batch_size) for i in range(32)})
         return tuple(sizes) * self.tuning.calibration_repeats
 
     def calibrate(self, timings: Sequence[Timing]) -> None:
@@ -239,31 +143,32 @@ class AdaptivePolicy:
         self.apply_fit(fit_samples(self.model.snapshot()))
 
     def refit_job(self, now: float) -> Callable[[], Any] | None:
-        pending = self._pending_since
-        if pending is not None and now - pending < STALE_JOB_S:
+        refits, tuning = self._refits, self.tuning
+        pending = refits.pending_since
+        if pending is not None and now - pending < tuning.stale_job_s:
             return None
         # A refit costs milliseconds of CPU: at small batches, every 16 batches would be many
         # a second. Wait for enough new batches, rows and time, so that refits stay a small
         # share of the work served, unless the cost shifted (a run of slow batches).
         due = (
-            self._fresh >= self.tuning.refit_every
-            and self._fresh_rows >= self.tuning.refit_rows
-            and now - self._last_refit >= self.tuning.refit_period_s
+            refits.fresh >= tuning.refit_every
+            and refits.fresh_rows >= tuning.refit_rows
+            and now - refits.last >= tuning.refit_period_s
         )
-        if not due and not (self._shifted and self._fresh > 0):
+        if not due and not (refits.shifted and refits.fresh > 0):
             return None
-        self._last_refit = now
-        self._fresh = self._fresh_rows = 0
-        self._shifted = False
-        self._pending_since = now
+        refits.last = now
+        refits.fresh = refits.fresh_rows = 0
+        refits.shifted = False
+        refits.pending_since = now
         return partial(fit_samples, self.model.snapshot())
 
     def apply_fit(self, fit: Any) -> None:
-        self._pending_since = None
+        self._refits.pending_since = None
         self._use(fit)
 
     def idle_time_s(self, rows: int) -> float:
-        return self._fit.cost(rows)
+        return self._costs.fit.cost(rows)
 
     # --- predictions ----------------------------------------------------------------------
 
@@ -275,9 +180,9 @@ class AdaptivePolicy:
         how the machine runs now, so a stretch learned in a bad moment cannot refuse every
         request for ever.
         """
-        if self._running is None and not self._queue:
-            self._probe = request.id
-            return now + self._fit.cost(request.rows) <= request.deadline
+        if self._busy.batch is None and not self._waiting.requests:
+            self._waiting.probe = request.id
+            return now + self._costs.fit.cost(request.rows) <= request.deadline
         deadline = request.deadline
         if self.promised_finish(request.rows, now, request.group, deadline) <= deadline:
             return True
@@ -294,12 +199,13 @@ class AdaptivePolicy:
         request's own batch also takes the rows that will arrive before it starts (FIFO: they
         join it). Other groups' queued rows all count as ahead, in batches of their own.
         """
-        intercept_s, slope_s = self._mean_intercept_s, self._mean_slope_s
+        intercept_s, slope_s = self._costs.mean_intercept_s, self._costs.mean_slope_s
         start, running_s = self._next_start(now)
         sums = _Sums(running_s)
-        cap = self.cap
-        own = self._group_rows.get(group, 0)
-        first = max(cap, self._next_rows) if own == self._queued_rows else cap
+        cap, waiting = self.cap, self._waiting
+        own = waiting.group_rows.get(group, 0)
+        alone = waiting.only(group)
+        first = max(cap, waiting.next_rows) if alone else cap
         total = own + rows
         if total <= first:
             ahead, rest, room, batches = 0.0, total, first, 1
@@ -313,18 +219,19 @@ class AdaptivePolicy:
             sums.add(first_s)
             sums.add(batch_s, full)
             room, batches = cap, 2 + full
-        if own != self._queued_rows:
+        if not alone:
             others_s, others = self._other_groups(group, sums)
             ahead, batches = ahead + others_s, batches + others
         gaps = self._gaps
         # One gap before every batch still to start; the worst of them at its high quantile
         # is part of the reserve's tail.
         ahead += batches * gaps.mean
-        rate = max(self._admitted_rate.rate(now), self._admitted_now.rate(now))
-        if now >= self._stalled_at:
+        rates = self._rates
+        rate = max(rates.admitted.rate(now), rates.admitted_now.rate(now))
+        if now >= self._busy.stalled_at:
             # A stall refuses what arrives early in it, so the admitted rate falls to nothing;
             # what arrives once its end is in sight joins the batch after it.
-            rate = max(rate, self._row_rate.rate(now))
+            rate = max(rate, rates.rows.rate(now))
         joining = rate * (start + ahead - now)
         own_s = intercept_s + slope_s * min(room, rest + joining)
         sums.add(own_s)
@@ -333,9 +240,10 @@ class AdaptivePolicy:
     def _other_groups(self, group: tuple[str, ...], sums: _Sums) -> tuple[float, int]:
         """The mean time and count of the batches other groups' queued rows make (each
         group's in batches of the cap), added to `sums`."""
-        intercept_s, slope_s, cap = self._mean_intercept_s, self._mean_slope_s, self.cap
+        costs, cap = self._costs, self.cap
+        intercept_s, slope_s = costs.mean_intercept_s, costs.mean_slope_s
         seconds, count = 0.0, 0
-        for key, key_rows in self._group_rows.items():
+        for key, key_rows in self._waiting.group_rows.items():
             if key == group or key_rows <= 0:
                 continue
             batches = -(-key_rows // cap)
@@ -364,9 +272,9 @@ class AdaptivePolicy:
         with a little more for a spread estimated from a few hundred batches and for the
         right skew of multiplicative noise.
         """
-        k = self.model.quantile_k
-        normal = min(self._margin, k * self._fit.spread)
-        tail = self._margin - normal
+        k, margin = self.model.quantile_k, self._costs.margin
+        normal = min(margin, k * self._costs.fit.spread)
+        tail = margin - normal
         normal_part = self.tuning.promise_k / k * normal * math.sqrt(sums.squares)
         tail_part = tail * sums.tail_norm()
         gap_s = self._gaps.high - self._gaps.mean
@@ -383,18 +291,19 @@ class AdaptivePolicy:
         has run (`Tuning.stall_after`), so requests that a stall would strand in the queue are
         refused at once, not answered late or at their deadline.
         """
-        if self._running is None:
+        busy = self._busy
+        if busy.batch is None:
             return now + self.window_s, 0.0
-        if now >= self._stalled_at:
-            mean_s = self._running_mean_s
-            overrun = now - self._done_mean
-            longer = [seconds for seconds in self._fit.overruns if seconds > overrun]
+        if now >= busy.stalled_at:
+            mean_s = busy.mean_s
+            overrun = now - busy.done_mean
+            longer = [seconds for seconds in self._costs.fit.overruns if seconds > overrun]
             if longer:
-                return self._done_mean + sum(longer) / len(longer), mean_s
-            began = self._done_mean - mean_s
+                return busy.done_mean + sum(longer) / len(longer), mean_s
+            began = busy.done_mean - mean_s
             return now + (now - began) / (TAIL_INDEX - 1.0), mean_s
-        start = self._done_mean if self._done_mean > now else now
-        return start, self._running_mean_s
+        start = busy.done_mean if busy.done_mean > now else now
+        return start, busy.mean_s
 
     def _stretch_next(self, request: Request, now: float) -> bool:
         """Admit `request` into the next batch past the cap, if everyone in it stays on time.
@@ -404,51 +313,48 @@ class AdaptivePolicy:
         room and time to spare. The batch is then promised exactly these rows: later
         arrivals queue behind it.
         """
-        rows = self._queued_rows + request.rows
-        if rows <= max(self.cap, self._next_rows) or rows > self.max_batch_size:
+        waiting = self._waiting
+        rows = waiting.rows + request.rows
+        if rows <= max(self.cap, waiting.next_rows) or rows > self.limits.max_batch_size:
             return False
-        if self._group_rows.get(request.group, 0) != self._queued_rows:
+        if not waiting.only(request.group):
             return False  # the next batch is another group's, or this one's is not next
-        if len(self._queue) + 1 > self._request_bound:
+        if len(waiting.requests) + 1 > self.limits.request_bound:
             return False
         start, running_s = self._next_start(now)
-        batch_s = self._mean_intercept_s + self._mean_slope_s * rows
+        batch_s = self._costs.mean_intercept_s + self._costs.mean_slope_s * rows
         sums = _Sums(running_s)
         sums.add(batch_s)
         finish = start + self._gaps.mean + batch_s + self._reserve(sums, request.deadline - now)
-        earliest = min((queued.deadline for queued in self._queue), default=math.inf)
+        earliest = min((queued.deadline for queued in waiting.requests), default=math.inf)
         if finish > min(earliest, request.deadline):
             return False
-        self._next_rows = rows
+        waiting.next_rows = rows
         return True
 
     def _use(self, fit: Fit) -> None:
         self.model.fit = fit
-        self._fit = fit
-        self._high_intercept_s = fit.intercept_s * fit.factor
-        self._high_slope_s = fit.slope_s * fit.factor
-        self._mean_intercept_s = fit.intercept_s
-        self._mean_slope_s = fit.slope_s
-        self._margin = fit.factor - 1.0
+        self._costs = Costs.of(fit)
 
     def _retune(self, now: float) -> None:
         """Cap, target and window from the fit and the arrival rate (closed forms, O(1))."""
-        rows_rate = self._row_rate.rate(now)
-        request_rate = self._request_rate.rate(now)
+        rows_rate = self._rates.rows.rate(now)
+        request_rate = self._rates.requests.rate(now)
+        costs, limits = self._costs, self.limits
         self.cap = best_cap(
-            self._high_intercept_s, self._high_slope_s, rows_rate, self.max_latency_s,
-            self.max_batch_size,
+            costs.high_intercept_s, costs.high_slope_s, rows_rate, limits.max_latency_s,
+            limits.max_batch_size,
         )
-        if self.max_requests is not None and request_rate > 0:
+        if self.limits.max_requests is not None and request_rate > 0:
             # Batches end at max_requests when requests are small: what a full one holds
             # then, at the mean size lately, is the cap promises must count with.
-            full = self.max_requests * rows_rate / request_rate
+            full = self.limits.max_requests * rows_rate / request_rate
             self.cap = max(1, min(self.cap, int(full)))
-        intercept = self._fit.intercept_s
+        intercept = self._costs.fit.intercept_s
         self.target_rows = rows_rate * intercept
         self.window_s = max(0.0, intercept - 1.0 / request_rate) if request_rate > 0 else 0.0
-        hold = self.hold_s(intercept, self._fit.slope_s, rows_rate)
-        if request_rate * hold >= HOLD_MIN_ARRIVALS and hold > self.window_s:
+        hold = self.hold_s(intercept, self._costs.fit.slope_s, rows_rate)
+        if request_rate * hold >= self.tuning.hold_min_arrivals and hold > self.window_s:
             self.window_s = hold
             self.target_rows = max(self.target_rows, rows_rate * hold)
 
@@ -470,33 +376,35 @@ class AdaptivePolicy:
             return 0.0
         if 2.0 * rows_per_s * slope_s > tuning.hold_load:
             return 0.0
-        return min(tuning.hold_share * self.max_latency_s, intercept_s / slope_s / rows_per_s)
+        longest_s = tuning.hold_share * self.limits.max_latency_s
+        return min(longest_s, intercept_s / slope_s / rows_per_s)
 
     # --- decisions ------------------------------------------------------------------------
 
     def _expire_head(self, now: float) -> tuple[Request, ...]:
-        queue = self._queue
+        queue = self._waiting.requests
         if not queue or queue[0].deadline > now:
             return ()
         expired = []
         while queue and queue[0].deadline <= now:
             request = queue.popleft()
-            self._unqueue(request)
+            self._waiting.forget(request)
             expired.append(request)
         return tuple(expired)
 
     def _decide(self, now: float) -> tuple[Reason | None, float | None]:
         """Release now (with why), or the time by which to look again."""
-        rows = self._queued_rows
-        if rows >= self.cap or len(self._queue) >= self._request_bound:
-            full = self.cap >= self.max_batch_size or len(self._queue) >= self._request_bound
+        rows, queue = self._waiting.rows, self._waiting.requests
+        bounded = len(queue) >= self.limits.request_bound
+        if rows >= self.cap or bounded:
+            full = self.cap >= self.limits.max_batch_size or bounded
             return ("full" if full else "cap"), None
         if rows >= self.target_rows or self.window_s <= 0.0:
             return "idle", None
-        window_end = self._queue[0].arrival + self.window_s
+        window_end = queue[0].arrival + self.window_s
         size = min(self.cap, max(rows, math.ceil(self.target_rows)))
-        high_s = self._high_intercept_s + self._high_slope_s * size
-        latest = min(r.deadline for r in self._queue) - high_s
+        high_s = self._costs.high_intercept_s + self._costs.high_slope_s * size
+        latest = min(r.deadline for r in queue) - high_s
         if now >= latest:
             return "deadline", None
         if now >= window_end:
@@ -506,55 +414,49 @@ class AdaptivePolicy:
     def _take(self, now: float, reason: Reason) -> tuple[Batch | None, tuple[Request, ...]]:
         """Pop a batch FIFO up to the cap, dropping requests that would surely be late in it;
         a probe (see `_admits`) runs whatever the model says: it is there to correct it."""
-        queue = self._queue
-        limit = max(self.cap, self._next_rows)
-        self._next_rows = 0
-        if self._queued_rows > limit and self._held_cap > limit:
+        waiting, fit = self._waiting, self._costs.fit
+        queue = waiting.requests
+        limit = max(self.cap, waiting.next_rows)
+        waiting.next_rows = 0
+        if waiting.rows > limit and waiting.held_cap > limit:
             # Requests were admitted on the promise of a larger cap: keep it until they are out.
-            limit = self._held_cap
-        intercept, slope = self._fit.intercept_s, self._fit.slope_s
+            limit = waiting.held_cap
+        intercept, slope = fit.intercept_s, fit.slope_s
         taken: list[Request] = []
         dropped: list[Request] = []
         passed: list[Request] = []  # other groups', kept in their places
         group = queue[0].group
         rows = 0
-        wait = self._queue_wait_s
+        wait = self._rates.queue_wait_s
         while queue:
             request = queue[0]
             if request.group != group:
                 passed.append(queue.popleft())
                 continue
-            if taken and (rows + request.rows > limit or len(taken) >= self._request_bound):
+            if taken and (rows + request.rows > limit or len(taken) >= self.limits.request_bound):
                 break
             queue.popleft()
-            self._unqueue(request)
+            waiting.forget(request)
             late = request.deadline < now + intercept + slope * (rows + request.rows)
-            if late and request.id != self._probe:
+            if late and request.id != waiting.probe:
                 dropped.append(request)
                 continue
             taken.append(request)
             rows += request.rows
-            wait += WAIT_MEMORY * (now - request.arrival - wait)
+            wait += self.tuning.wait_memory * (now - request.arrival - wait)
         queue.extendleft(reversed(passed))
-        self._queue_wait_s = wait
-        if self._queued_rows <= self.cap:
-            self._held_cap = self.cap
+        self._rates.queue_wait_s = wait
+        if waiting.rows <= self.cap:
+            waiting.held_cap = self.cap
         if not taken:
             return None, tuple(dropped)
-        batch = Batch(tuple(taken), reason, self._fit.high(rows))
-        self._running, self._released = batch, now
-        self._running_mean_s = intercept + slope * rows
-        self._done_mean = now + self._running_mean_s
-        self._stalled_at = now + self.tuning.stall_after * batch.predicted_s
+        batch = Batch(tuple(taken), reason, fit.high(rows))
+        busy = self._busy
+        busy.batch, busy.released = batch, now
+        busy.mean_s = intercept + slope * rows
+        busy.done_mean = now + busy.mean_s
+        busy.stalled_at = now + self.tuning.stall_after * batch.predicted_s
         return batch, tuple(dropped)
-
-    def _unqueue(self, request: Request) -> None:
-        self._queued_rows -= request.rows
-        left = self._group_rows[request.group] - request.rows
-        if left:
-            self._group_rows[request.group] = left
-        else:
-            del self._group_rows[request.group]
 
 
 class _Sums:

@@ -18,7 +18,7 @@ Why two parts:
   half of each calibration batch, wall seconds otherwise.
 - The stretch is what requests actually feel: wall time over the curve, a robust median over
   the recent batches. It carries contention, GC pauses and the like as one factor. It moves
-  at most `MAX_MOVE`-fold per refit and follows a shift in either direction (`shift`), so
+  at most `Tuning.max_move`-fold per refit and follows a shift in either direction (`shift`), so
   one burst cannot fling the model far and no state outlives the batches that disprove it.
 - A Huber fit for the curve: one batch delayed by a page fault must not tilt it. Recency
   weights with a half-life counted in batches follow a change of cost within a few dozen
@@ -30,7 +30,7 @@ Why two parts:
   multiplicative), or the recent stretches' own 99th percentile over their median if that
   is more: contention on shared cores has a heavier tail than a normal law, and a promise
   must cover the tail that is there. Until a hundred batches can show a 99th percentile, one
-  hiccup among them may not raise it more than `MAX_MOVE`-fold over the last one read.
+  hiccup among them may not raise it more than `Tuning.max_move`-fold over the last one read.
 """
 
 from __future__ import annotations
@@ -43,28 +43,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .tuning import DEFAULT_TUNING, Tuning
+
 MAD_TO_SIGMA = 1.4826  # scales a median absolute deviation to a normal standard deviation
 HUBER_EPSILON = 1.345  # residuals beyond this many sigmas count linearly, not squared
 HUBER_ROUNDS = 4
-MAX_MOVE = 4.0
-"""The stretch moves at most this factor per refit, and a cost shift scales the calibration
-by at most this factor: a burst of stalls moves the model a bounded step, while a lasting
-change is followed within a few refits."""
-SHIFT_RUN = 3
-"""Batches in a row beyond the high quantile, or below its mirror (mean / factor), that mean
-the machine has changed (by chance, rarer than one in a million batches)."""
-TAIL_QUANTILE = 0.99
-TAIL_SAMPLES = 100
-"""Recent batches it takes to read their 99th percentile. Fewer (after a start, or after a
-shift restarts the window) have only their largest to show, which one hiccup can set: a
-150 ms page fault among 0.3 ms batches made every promise 150 ms long. Until there are
-enough, the tail may rise at most `MAX_MOVE`-fold above the last one read (`Fit.tail`)."""
-FEW_RECENT = 16
-"""With fewer recent batches than this, the spread is not allowed to fall below the last."""
-LONGEST = 8
-"""The longest overruns of the recent batches a fit keeps: what a batch still running far past
-its prediction (a stall) is expected to run to, from the stalls this machine has shown."""
-
 
 class Timing(NamedTuple):
     """One batch timed before traffic: its rows, wall seconds and model-thread CPU seconds."""
@@ -90,10 +73,11 @@ class Fit:
     stretch: float = 1.0
     cost_factor: float = 1.0
     overruns: tuple[float, ...] = ()
-    """The `LONGEST` largest of wall time minus `mean` over the recent batches, ascending."""
+    """The `Tuning.longest_overruns` largest of wall time minus `mean` over the recent
+    batches, ascending."""
     tail: float = 1.0
     """The recent stretches' 99th percentile over their median, as last read from at least
-    `TAIL_SAMPLES` batches."""
+    `Tuning.tail_samples` batches."""
 
     def mean(self, rows: int) -> float:
         return self.intercept_s + self.slope_s * rows
@@ -114,30 +98,29 @@ class Snapshot:
     weights: tuple[float, ...]
     recent_rows: tuple[int, ...]
     recent_wall_s: tuple[float, ...]
-    half_life: float
     previous: Fit
-    quantile_k: float
-    min_spread: float
+    tuning: Tuning
 
 
 class Shifts:
     """Counts batches in a row on one side of a band around the prediction."""
 
-    __slots__ = ("side", "ratios")
+    __slots__ = ("run", "side", "ratios")
 
-    def __init__(self) -> None:
+    def __init__(self, run: int) -> None:
+        self.run = run
         self.side = 0
         self.ratios: list[float] = []
 
     def observe(self, ratio: float, factor: float) -> float | None:
-        """`ratio` is measured over predicted; the median ratio once SHIFT_RUN in a row fell
+        """`ratio` is measured over predicted; the median ratio once `run` in a row fell
         beyond `factor` on the same side, else None."""
         side = 1 if ratio > factor else -1 if ratio * factor < 1.0 else 0
         if side == 0 or side != self.side:
             self.side, self.ratios = side, [ratio] if side else []
             return None
         self.ratios.append(ratio)
-        if len(self.ratios) < SHIFT_RUN:
+        if len(self.ratios) < self.run:
             return None
         shift = sorted(self.ratios)[len(self.ratios) // 2]
         self.side, self.ratios = 0, []
@@ -150,35 +133,25 @@ class LatencyModel:
     Owns no clock: samples are ordered by arrival, and recency is counted in batches.
     """
 
-    def __init__(
-        self,
-        *,
-        window: int = 128,
-        stretch_window: int = 1024,
-        half_life: float = 32.0,
-        calibration_weight: float = 0.1,
-        quantile_k: float = 3.0,
-        min_spread: float = 0.01,
-    ) -> None:
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)  # rows, cost seconds
-        self.recent: deque[tuple[int, float]] = deque(maxlen=stretch_window)  # rows, wall
-        self.calibration: list[tuple[int, float]] = []  # rows, cost seconds
+    def __init__(self, tuning: Tuning = DEFAULT_TUNING) -> None:
+        self.tuning = tuning
+        # rows and cost seconds; rows and wall seconds; the calibration's rows and cost seconds
+        self.samples: deque[tuple[int, float]] = deque(maxlen=tuning.sample_window)
+        self.recent: deque[tuple[int, float]] = deque(maxlen=tuning.stretch_window)
+        self.calibration: list[tuple[int, float]] = []
         self.cpu_bound = True
-        self.half_life = half_life
-        self.calibration_weight = calibration_weight
-        self.quantile_k = quantile_k
-        self.min_spread = min_spread
+        self.quantile_k = tuning.quantile_k
         self.fit = Fit()
-        self._cost_shifts = Shifts()
-        self._stretch_shifts = Shifts()
+        self._cost_shifts = Shifts(tuning.shift_run)
+        self._stretch_shifts = Shifts(tuning.shift_run)
 
     def add(self, rows: int, wall_s: float, cpu_s: float) -> bool:
         """Record one batch; True when it completes a shift, so a refit is due at once.
 
         A shift in cost (CPU time, or wall time for a model that waits) is a change of the
-        model's own cost: the curve restarts from the
-        newest batches and the calibration is scaled by the shift (at most MAX_MOVE-fold), or
-        it would pull every later fit back to the old cost. A shift in wall time against the
+        model's own cost: the curve restarts from the newest batches and the calibration is
+        scaled by the shift (at most `Tuning.max_move`-fold), or it would pull every later fit
+        back to the old cost. A shift in wall time against the
         curve is a change of contention: only the stretch restarts. Either way, in both
         directions, so the model comes back down when batches are fast again.
         """
@@ -191,16 +164,16 @@ class LatencyModel:
         cost = self._cost_shifts.observe(spent / max(fit.cost(rows), 1e-9), fit.cost_factor)
         if cost is not None:
             self._restart(self.samples)
-            scale = min(max(cost, 1.0 / MAX_MOVE), MAX_MOVE)
+            most = self.tuning.max_move
+            scale = min(max(cost, 1.0 / most), most)
             self.calibration = [(n, seconds * scale) for n, seconds in self.calibration]
         wall = self._stretch_shifts.observe(wall_s / max(fit.mean(rows), 1e-9), fit.factor)
         if wall is not None:
             self._restart(self.recent)
         return cost is not None or wall is not None
 
-    @staticmethod
-    def _restart(samples: deque[tuple[int, float]]) -> None:
-        while len(samples) > SHIFT_RUN:
+    def _restart(self, samples: deque[tuple[int, float]]) -> None:
+        while len(samples) > self.tuning.shift_run:
             samples.popleft()
 
     def calibrate(self, timings: Sequence[Timing]) -> None:
@@ -214,8 +187,8 @@ class LatencyModel:
 
     def snapshot(self) -> Snapshot:
         live = list(self.samples)
-        weights = _recency(len(live), self.half_life)
-        weights += [self.calibration_weight] * len(self.calibration)
+        weights = _recency(len(live), self.tuning.half_life)
+        weights += [self.tuning.calibration_weight] * len(self.calibration)
         every = live + self.calibration
         recent = list(self.recent)
         return Snapshot(
@@ -224,10 +197,8 @@ class LatencyModel:
             weights=tuple(weights),
             recent_rows=tuple(rows for rows, _ in recent),
             recent_wall_s=tuple(wall for _, wall in recent),
-            half_life=self.half_life,
             previous=self.fit,
-            quantile_k=self.quantile_k,
-            min_spread=self.min_spread,
+            tuning=self.tuning,
         )
 
 
@@ -241,52 +212,54 @@ def fit_samples(snapshot: Snapshot) -> Fit:
     """Fit the cost curve, then the stretch and its spread; pure, safe to run on any thread."""
     if not snapshot.rows:
         return snapshot.previous
+    tuning = snapshot.tuning
     rows = np.asarray(snapshot.rows, dtype=float)
     millis = np.asarray(snapshot.cost_s, dtype=float) * 1000.0  # Huber's tolerances like ms
     weights = np.asarray(snapshot.weights, dtype=float)
     intercept, slope = _line(rows, millis, weights)
     cost_spread = max(
         _robust_spread(millis / np.maximum(intercept + slope * rows, 1e-9) - 1.0, weights),
-        snapshot.min_spread,
+        tuning.min_spread,
     )
     if snapshot.recent_rows:
         recent = np.asarray(snapshot.recent_rows, dtype=float)
         curve = np.maximum(intercept + slope * recent, 1e-9)
         stretches = np.asarray(snapshot.recent_wall_s, dtype=float) * 1000.0 / curve
-        stretch, spread = _stretch(stretches, snapshot.half_life, snapshot.previous)
-        tail = read = _quantile(stretches, TAIL_QUANTILE) / stretch
-        if stretches.size <= TAIL_SAMPLES:
+        stretch, spread = _stretch(stretches, tuning, snapshot.previous)
+        tail = read = _quantile(stretches, tuning.tail_quantile) / stretch
+        if stretches.size <= tuning.tail_samples:
             read = snapshot.previous.tail
-            tail = min(tail, read * MAX_MOVE)
+            tail = min(tail, read * tuning.max_move)
         overrun = (stretches - stretch) * curve / 1000.0
-        overruns = tuple(float(x) for x in np.sort(overrun)[-LONGEST:])
+        overruns = tuple(float(x) for x in np.sort(overrun)[-tuning.longest_overruns:])
     else:
         stretch, spread, tail = snapshot.previous.stretch, cost_spread, 1.0
         read = snapshot.previous.tail
         overruns = snapshot.previous.overruns
-    spread = max(spread, snapshot.min_spread)
+    spread = max(spread, tuning.min_spread)
     return Fit(
         intercept_s=stretch * intercept / 1000.0,
         slope_s=stretch * slope / 1000.0,
         spread=spread,
-        factor=max(1.0 + snapshot.quantile_k * spread, tail),
+        factor=max(1.0 + tuning.quantile_k * spread, tail),
         samples=len(snapshot.rows),
         stretch=stretch,
-        cost_factor=1.0 + snapshot.quantile_k * cost_spread,
+        cost_factor=1.0 + tuning.quantile_k * cost_spread,
         overruns=overruns,
         tail=read,
     )
 
 
-def _stretch(stretches: np.ndarray, half_life: float, previous: Fit) -> tuple[float, float]:
-    """The recency-weighted median stretch, moved at most MAX_MOVE-fold from the last, and
+def _stretch(stretches: np.ndarray, tuning: Tuning, previous: Fit) -> tuple[float, float]:
+    """The recency-weighted median stretch, moved at most `max_move`-fold from the last, and
     the spread of stretches around it."""
-    weights = np.asarray(_recency(stretches.size, half_life))
+    weights = np.asarray(_recency(stretches.size, tuning.half_life))
     median = _weighted_median(stretches, weights)
     if previous.samples:
-        median = min(max(median, previous.stretch / MAX_MOVE), previous.stretch * MAX_MOVE)
+        most = tuning.max_move
+        median = min(max(median, previous.stretch / most), previous.stretch * most)
     spread = _robust_spread(stretches / median - 1.0, weights)
-    if stretches.size < FEW_RECENT:
+    if stretches.size < tuning.few_recent:
         spread = max(spread, previous.spread)
     return median, spread
 
