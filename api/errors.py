@@ -6,7 +6,8 @@
     ├── RouteNotFound          404  no route has this path
     ├── MethodNotAllowed       405  the path is a route, not for this method; with `Allow`
     ├── PayloadTooLarge        413  the body is over `api.max_body_bytes`
-    ├── TooManyRows            413  more rows than the model can run within the latency limit
+    ├── TooManyRows            413  more rows than can be decoded and run within the latency
+    │                               limit even on an idle server
     ├── NotSupported           501  a v2 or Triton extension batchserve does not offer
     ├── ModelTimeout           504  the model call ran past the runner's `batch_timeout_ms`
     └── Unavailable            503  try again later; answered with `Retry-After`
@@ -122,8 +123,9 @@ class PayloadTooLarge(BatchserveError):
 
 
 class TooManyRows(BatchserveError):
-    """More rows than the model runs within the latency limit even when idle: waiting cannot
-    help, so no Retry-After; the message names the rows, the time they need and the limit."""
+    """More rows (or elements) than can be decoded and run within the latency limit even on
+    an idle server: waiting cannot help, so no Retry-After; the message names the rows, the
+    time they need, the limit and how many would fit."""
 
     status = 413
 

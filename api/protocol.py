@@ -53,6 +53,7 @@ __all__ = [
     "MODEL_VERSION",
     "InferRequest",
     "RequestedOutput",
+    "cost",
     "decode_infer",
     "encode_infer",
     "model_metadata",
@@ -354,6 +355,12 @@ def _decode_infer(
         rows=signature.inputs.rows(inputs),
         group=_group(params, runner),
     )
+
+
+def cost(request: InferRequest, runner: RunnerConfig) -> int:
+    """What a decoded request weighs against the runner's cap: rows, or for ragged or pad
+    inputs elements (its longest sequence)."""
+    return _signature(runner).inputs.cost(request.inputs, request.rows)
 
 
 def _group(params: Mapping[str, Any], runner: RunnerConfig) -> tuple[str, ...]:
