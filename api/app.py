@@ -223,9 +223,10 @@ def _routes(service: Service, config: Config) -> list[Route]:
 
     async def repository_index(request: Request) -> Response:
         body = await _small_body(request)
-        states = {name: pool.ready and not service.stopping
-                  for name, pool in service.pools.items()}
-        return _json(triton.repository_index(states, body))
+        unready = {name: ("the server is stopping" if service.stopping else
+                          None if pool.ready else "no process of its runner is connected")
+                   for name, pool in service.pools.items()}
+        return _json(triton.repository_index(unready, body))
 
     described = openapi.encode(config)
 

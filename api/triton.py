@@ -124,17 +124,17 @@ def _ready_only(body: bytes) -> bool:
     return ready
 
 
-def repository_index(states: dict[str, bool], body: bytes) -> bytes:
-    """`POST /v2/repository/index`: every served model, `READY` when a process of its runner is
-    connected, else `UNAVAILABLE` with why; `{"ready": true}` asks for the ready ones only."""
+def repository_index(unready: dict[str, str | None], body: bytes) -> bytes:
+    """`POST /v2/repository/index`: every served model, `READY` when `unready` gives no reason
+    for it, else `UNAVAILABLE` with that reason; `{"ready": true}` asks for the ready ones."""
     ready_only = _ready_only(body)
     index = []
-    for name, up in states.items():
-        if up:
+    for name, reason in unready.items():
+        if reason is None:
             index.append({"name": name, "version": "1", "state": "READY"})
         elif not ready_only:
             index.append({"name": name, "version": "1", "state": "UNAVAILABLE",
-                          "reason": "no process of its runner is connected"})
+                          "reason": reason})
     return orjson.dumps(index)
 
 
