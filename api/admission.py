@@ -13,8 +13,11 @@ the whole limit (5,000 rows of 256 floats take some 150 ms of CPU). Answered 503
   the time on the clock: a worker that waited for a core decodes no slower next time, so
   that wait is a 503 (`late`), while CPU time comes back at every try.
 
-What decoding cost also travels to the runner (`spent_s`), which adds it to the time the
-model needs at the least when it judges a request too large for the limit.
+What decoding a body of `LEARN_BYTES` or more cost also travels to the runner (`spent_s`),
+which adds it to the time the model needs at the least when it judges a request too large for
+the limit. A smaller body's decoding is the fixed cost of any request, which the time kept
+back for the answer (`batchserve.api.reserve`) covers: counted again, it would turn a tight
+limit under load into 413s for single rows.
 """
 
 from __future__ import annotations

@@ -300,9 +300,12 @@ class Exchange:
             # A runner answers by the call's deadline, or by its batch time limit once the
             # call is in a batch; the slack only bounds a runner process that hangs as a whole.
             wait_s = runner.batch_timeout_s + service.config.timeouts.call_slack_s
+            # Only a large body's decoding is told: a small one's is the fixed cost of any
+            # request, which the reserve covers, not a share of what its size needs.
+            told_s = spent_s if len(body) >= admission.LEARN_BYTES else 0.0
             service.pools[runner.name].submit(
                 call.inputs, call.rows, self.budget_s, call.group, wait_s, self.answered,
-                spent_s)
+                told_s)
             service.waiting[runner.name] += 1
         except Exception as exc:
             self.fail(exc)
