@@ -280,7 +280,8 @@ async def _handle_http(request: Request, exc: Exception) -> Response:
     error: BatchserveError
     if exc.status_code == 405:
         allow = (exc.headers or {}).get("Allow", "")
-        error = MethodNotAllowed(method, path, allow.split(", "))
+        # Starlette keeps a route's methods in a set: sorted, the header reads the same always.
+        error = MethodNotAllowed(method, path, sorted(allow.split(", ")))
     elif exc.status_code == 404:
         error = RouteNotFound(method, path)
     else:
