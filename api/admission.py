@@ -9,7 +9,8 @@ the whole limit (5,000 rows of 256 floats take some 150 ms of CPU). Answered 503
   decoded JSON for the runner, would take longer than the limit. Only sizes seen to be
   decoded too slowly are refused this way, so after the first such request its kind costs no
   decoding (which also holds up every other request on the worker's event loop).
-- **After decoding**: a request whose decoding took more CPU than the limit. CPU time, not
+- **After decoding**: a body of `LEARN_BYTES` or more whose decoding took more CPU than the
+  limit (a smaller body's decoding is the fixed cost of any request). CPU time, not
   the time on the clock: a worker that waited for a core decodes no slower next time, so
   that wait is a 503 (`late`), while CPU time comes back at every try.
 
