@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -29,9 +32,16 @@ from ..runner.core.config import Config, RunnerConfig
 from ..runner.core.security import Credentials
 from ..runner.core.wire import Address
 from ..runner.metrics import SECONDS_BUCKETS, registry
-from . import openapi, protocol
+from . import openapi, protocol, statistics, triton
 from .dispatch import NO_KEYS
-from .errors import BadRequest, BatchserveError, PayloadTooLarge, error_response
+from .errors import (
+    BadRequest,
+    BatchserveError,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    RouteNotFound,
+    error_response,
+)
 from .overload import watch
 from .service import Service, infer_target
 
@@ -132,6 +142,57 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]],
     reached with `keys`."""
     service = Service(config, addresses, keys)
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        for pool in service.pools.values():
+            pool.start()
+        service.publish()
+        watcher = asyncio.create_task(watch(
+            service.shedder, lambda: service.busy, service.arrived, record=loop_lag.observe,
+            publish=service.publish))
+        yield
+        watcher.cancel()
+        service.flush()
+        for pool in service.pools.values():
+            await pool.close()
+
+    starlette = Starlette(routes=_routes(service, config), lifespan=lifespan)
+    starlette.add_exception_handler(BatchserveError, _handle)
+    starlette.add_exception_handler(HTTPException, _handle_http)
+    return App(service, starlette)
+
+
+def _versioned(path: str, endpoint: Any, methods: Sequence[str] = ("GET",)) -> list[Route]:
+    """The route under `/v2/models/{name}` and under `.../versions/{version}`."""
+    return [Route(f"/v2/models/{{name}}{version}{path}", endpoint, methods=list(methods))
+            for version in ("", "/versions/{version}")]
+
+
+def _unsupported(extension: str) -> Any:
+    async def refuse(request: Request) -> Response:
+        raise triton.unsupported(extension)
+    return refuse
+
+
+def _extensions() -> list[Route]:
+    """Triton's extensions batchserve does not offer, each answered 501 with why."""
+    both = ["GET", "POST"]
+    routes = [Route("/v2/repository/models/{name}/" + verb, _unsupported("load"),
+                    methods=["POST"]) for verb in ("load", "unload")]
+    for memory in ("systemsharedmemory", "cudasharedmemory"):
+        for base in (f"/v2/{memory}", f"/v2/{memory}/region/{{region}}"):
+            routes.append(Route(f"{base}/status", _unsupported(memory)))
+            routes += [Route(f"{base}/{verb}", _unsupported(memory), methods=["POST"])
+                       for verb in ("register", "unregister")]
+    routes.append(Route("/v2/logging", _unsupported("logging"), methods=both))
+    routes.append(Route("/v2/trace/setting", _unsupported("trace"), methods=both))
+    routes += _versioned("/trace/setting", _unsupported("trace"), both)
+    return routes
+
+
+def _routes(service: Service, config: Config) -> list[Route]:
+    """Every route but inference's fast path, which `App` and the connection take first."""
+
     def runner_of(request: Request) -> RunnerConfig:
         return service.runner(request.path_params["name"], request.path_params.get("version"))
 
@@ -152,6 +213,21 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]],
         up = not service.stopping and service.pools[runner_of(request).name].ready
         return _json(b'{"ready":true}' if up else b'{"ready":false}', 200 if up else 503)
 
+    async def model_config(request: Request) -> Response:
+        return _json(triton.model_config(runner_of(request)))
+
+    async def model_stats(request: Request) -> Response:
+        names = ([runner_of(request).name] if "name" in request.path_params
+                 else list(config.runners))
+        return _json(statistics.encode(names, registry()))
+
+    async def repository_index(request: Request) -> Response:
+        body = await _small_body(request)
+        unready = {name: ("the server is stopping" if service.stopping else
+                          None if pool.ready else "no process of its runner is connected")
+                   for name, pool in service.pools.items()}
+        return _json(triton.repository_index(unready, body))
+
     described = openapi.encode(config)
 
     async def description(request: Request) -> Response:
@@ -160,36 +236,54 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]],
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry()), media_type=CONTENT_TYPE_LATEST)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        for pool in service.pools.values():
-            pool.start()
-        service.publish()
-        watcher = asyncio.create_task(watch(
-            service.shedder, lambda: service.busy, service.arrived, record=loop_lag.observe,
-            publish=service.publish))
-        yield
-        watcher.cancel()
-        service.flush()
-        for pool in service.pools.values():
-            await pool.close()
-
-    model = "/v2/models/{name}"
-    versioned = "/v2/models/{name}/versions/{version}"
-    routes = [
+    return [
         Route("/v2/health/live", live),
         Route("/v2/health/ready", ready),
         Route("/v2", server_metadata),
         Route("/metrics", metrics),
         Route("/openapi.json", description),
-        *(Route(base, model_metadata) for base in (model, versioned)),
-        *(Route(f"{base}/ready", model_ready) for base in (model, versioned)),
+        Route("/v2/models/stats", model_stats),
+        Route("/v2/repository/index", repository_index, methods=["POST"]),
+        *_versioned("", model_metadata),
+        *_versioned("/ready", model_ready),
+        *_versioned("/config", model_config),
+        *_versioned("/stats", model_stats),
+        *_versioned("/infer", functools.partial(infer_asgi, service), ["POST"]),
+        *_extensions(),
     ]
-    starlette = Starlette(routes=routes, lifespan=lifespan)
-    starlette.add_exception_handler(BatchserveError, _handle)
-    return App(service, starlette)
+
+
+SMALL_BODY = 65536
+"""The most a request to a route other than inference may send: a few flags at most."""
+
+
+async def _small_body(request: Request) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > SMALL_BODY:
+            raise PayloadTooLarge(SMALL_BODY)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _handle(request: Request, exc: Exception) -> Response:
     status, content, headers = error_response(exc)
     return Response(content, status, headers=headers)
+
+
+async def _handle_http(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 and 405, in the protocol's JSON like every other error."""
+    assert isinstance(exc, HTTPException)
+    method, path = request.method, request.url.path
+    error: BatchserveError
+    if exc.status_code == 405:
+        allow = (exc.headers or {}).get("Allow", "")
+        # Starlette keeps a route's methods in a set: sorted, the header reads the same always.
+        error = MethodNotAllowed(method, path, sorted(allow.split(", ")))
+    elif exc.status_code == 404:
+        error = RouteNotFound(method, path)
+    else:
+        error = BadRequest(exc.detail) if exc.status_code == 400 else BatchserveError(exc.detail)
+    return await _handle(request, error)

@@ -483,14 +483,16 @@ class Pool:
 
     def submit(
         self, tensors: Tensors, rows: int, budget_s: float, group: tuple[str, ...],
-        wait_s: float, done: Done,
+        wait_s: float, done: Done, spent_s: float = 0.0,
     ) -> None:
         """Call a process with `tensors` of `rows` rows, checked against the signature; `done`
         is told the outputs or the exception, once, on the event loop. If the process goes
         away before running the call, it goes once more to another while the budget lasts (a
         call that had started is never run twice). A runner silent for `wait_s` past the
-        budget is given up on: only a process that hangs as a whole gets that far."""
-        _Sent(self, tensors, rows, budget_s, group, wait_s, done).go(self.pick())
+        budget is given up on: only a process that hangs as a whole gets that far. `spent_s`
+        is what the request cost before (its decoding), which the runner counts against the
+        limit when it judges whether the request could ever fit."""
+        _Sent(self, tensors, rows, budget_s, group, wait_s, done, spent_s).go(self.pick())
 
     async def infer(
         self, tensors: Tensors, rows: int, budget_s: float, group: tuple[str, ...] = (),
@@ -517,13 +519,13 @@ Done = Callable[[Tensors | Exception], None]
 class _Sent:
     """One request on its way to a runner process, and at most once more to another."""
 
-    __slots__ = ("pool", "tensors", "rows", "budget_s", "group", "wait_s", "done", "link",
-                 "sent", "again")
+    __slots__ = ("pool", "tensors", "rows", "budget_s", "group", "wait_s", "done", "spent_s",
+                 "link", "sent", "again")
 
     def __init__(self, pool: Pool, tensors: Tensors, rows: int, budget_s: float,
-                 group: tuple[str, ...], wait_s: float, done: Done) -> None:
+                 group: tuple[str, ...], wait_s: float, done: Done, spent_s: float) -> None:
         self.pool, self.tensors, self.rows, self.group = pool, tensors, rows, group
-        self.budget_s, self.wait_s, self.done = budget_s, wait_s, done
+        self.budget_s, self.wait_s, self.done, self.spent_s = budget_s, wait_s, done, spent_s
         self.link: Link | None = None
         self.sent = 0.0
         self.again = False
@@ -533,7 +535,7 @@ class _Sent:
         link.send(self.build, self.answer, self.sent + self.budget_s + self.wait_s)
 
     def build(self, ident: int) -> Call:
-        return Call(ident, self.budget_s, self.rows, self.tensors, self.group)
+        return Call(ident, self.budget_s, self.rows, self.tensors, self.group, self.spent_s)
 
     def answer(self, outcome: Message | Exception) -> None:
         if isinstance(outcome, Result):

@@ -3,8 +3,12 @@
     BatchserveError            500  a bug or an unexpected state on the server's side
     ├── BadRequest             400  malformed body, unknown input, wrong datatype or shape
     ├── ModelNotFound          404  no runner serves the model named in the URL
+    ├── RouteNotFound          404  no route has this path
+    ├── MethodNotAllowed       405  the path is a route, not for this method; with `Allow`
     ├── PayloadTooLarge        413  the body is over `api.max_body_bytes`
-    ├── TooManyRows            413  more rows than the model can run within the latency limit
+    ├── TooManyRows            413  more rows than can be decoded and run within the latency
+    │                               limit even on an idle server
+    ├── NotSupported           501  a v2 or Triton extension batchserve does not offer
     ├── ModelTimeout           504  the model call ran past the runner's `batch_timeout_ms`
     └── Unavailable            503  try again later; answered with `Retry-After`
         ├── RunnerUnavailable       the runner process is down, restarting or unreachable
@@ -35,9 +39,12 @@ __all__ = [
     "BadRequest",
     "BatchserveError",
     "ModelNotFound",
+    "MethodNotAllowed",
     "ModelTimeout",
+    "NotSupported",
     "Overloaded",
     "PayloadTooLarge",
+    "RouteNotFound",
     "RunnerUnavailable",
     "SloRefused",
     "Stopping",
@@ -73,6 +80,37 @@ class ModelNotFound(BatchserveError):
         self.model = model
 
 
+class RouteNotFound(BatchserveError):
+    """No route has this path: the message points at where the routes are listed, since a
+    client that guessed a path wants to know the right one."""
+
+    status = 404
+
+    def __init__(self, method: str, path: str) -> None:
+        super().__init__(
+            f"no route {method} {path}; every route is listed at GET /openapi.json "
+            "(the served models at POST /v2/repository/index)"
+        )
+
+
+class MethodNotAllowed(BatchserveError):
+    """The path is a route, for other methods: answered with `Allow` listing them."""
+
+    status = 405
+
+    def __init__(self, method: str, path: str, allow: Iterable[str]) -> None:
+        self.allow = ", ".join(allow)
+        super().__init__(f"{path} does not take {method}; it takes {self.allow}")
+
+
+class NotSupported(BatchserveError):
+    """A protocol extension batchserve does not offer (shared memory, model control, trace
+    and log settings): the client learns so from the status, not from a route that is
+    missing."""
+
+    status = 501
+
+
 class PayloadTooLarge(BatchserveError):
     status = 413
 
@@ -85,8 +123,9 @@ class PayloadTooLarge(BatchserveError):
 
 
 class TooManyRows(BatchserveError):
-    """More rows than the model runs within the latency limit even when idle: waiting cannot
-    help, so no Retry-After; the message names the rows, the time they need and the limit."""
+    """More rows (or elements) than can be decoded and run within the latency limit even on
+    an idle server: waiting cannot help, so no Retry-After; the message names the rows, the
+    time they need, the limit and how many would fit."""
 
     status = 413
 
@@ -160,6 +199,8 @@ def error_response(exc: BaseException) -> tuple[int, bytes, dict[str, str]]:
     if isinstance(exc, Unavailable):
         # HTTP wants whole seconds (RFC 9110 §10.2.3); round up so a short wait never says 0.
         headers["Retry-After"] = str(math.ceil(max(exc.retry_after, 0.0)))
+    if isinstance(exc, MethodNotAllowed):
+        headers["Allow"] = exc.allow
     if isinstance(exc, Stopping):
         headers["Connection"] = "close"
     return exc.status, body, headers

@@ -26,6 +26,7 @@ def _errors(*codes: int) -> dict[str, Any]:
     words = {400: "the request names what is wrong", 404: "no such model",
              413: "the body is over api.max_body_bytes, or the request has more rows "
                   "than the model runs within its latency limit",
+             501: "an extension batchserve does not offer; the error says which",
              503: "retry after Retry-After seconds: refused for the latency limit, "
                   "overloaded, or no runner process reachable"}
     return {str(code): _answer(words[code], ERROR) for code in codes}
@@ -84,6 +85,50 @@ def _get(summary: str, schema: dict[str, Any] | None, *errors: int) -> dict[str,
                     "responses": {"200": _answer("ok", schema), **_errors(*errors)}}}
 
 
+_INDEX = {"type": "array", "items": {
+    "type": "object", "required": ["name", "version", "state"],
+    "properties": {"name": {"type": "string"}, "version": {"type": "string"},
+                   "state": {"type": "string", "enum": ["READY", "UNAVAILABLE"]},
+                   "reason": {"type": "string"}}}}
+_STATS = {"type": "object", "required": ["model_stats"],
+          "properties": {"model_stats": {"type": "array", "items": {"type": "object"}}}}
+
+
+def _post(summary: str, schema: dict[str, Any], body: dict[str, Any], *errors: int
+          ) -> dict[str, Any]:
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": False, "content": {JSON: {"schema": body}}},
+                     "responses": {"200": _answer("ok", schema), **_errors(*errors)}}}
+
+
+def _extensions() -> dict[str, Any]:
+    """Triton's extensions that answer 501, each path once (a region's paths alike)."""
+    refused: dict[str, Any] = {"responses": _errors(501)}
+    paths: dict[str, Any] = {
+        "/v2/repository/models/{name}/load": {"post": refused},
+        "/v2/repository/models/{name}/unload": {"post": refused},
+        "/v2/logging": {"get": refused, "post": refused},
+        "/v2/trace/setting": {"get": refused, "post": refused},
+    }
+    for memory in ("systemsharedmemory", "cudasharedmemory"):
+        paths[f"/v2/{memory}/status"] = {"get": refused}
+        paths[f"/v2/{memory}/register"] = {"post": refused}
+        paths[f"/v2/{memory}/unregister"] = {"post": refused}
+    return paths
+
+
+def _model(name: str, runner: RunnerConfig) -> dict[str, Any]:
+    ready = {"type": "object", "properties": {"ready": {"type": "boolean"}}}
+    return {
+        f"/v2/models/{name}": _get(f"Model {name!r}'s metadata", {"type": "object"}),
+        f"/v2/models/{name}/ready": _get(f"Whether {name!r} can serve", ready, 503),
+        f"/v2/models/{name}/config": _get(f"Model {name!r}'s configuration, in Triton's "
+                                          "shape", {"type": "object"}),
+        f"/v2/models/{name}/stats": _get(f"Model {name!r}'s inference statistics", _STATS),
+        f"/v2/models/{name}/infer": {"post": _infer(runner)},
+    }
+
+
 def document(config: Config) -> dict[str, Any]:
     """The OpenAPI 3.0 document for a server of `config`."""
     ready = {"type": "object", "properties": {"ready": {"type": "boolean"}}}
@@ -91,11 +136,14 @@ def document(config: Config) -> dict[str, Any]:
         "/v2/health/live": _get("Whether the API worker runs", {"type": "object"}),
         "/v2/health/ready": _get("Whether every runner has a process connected", ready, 503),
         "/v2": _get("Server metadata", {"type": "object"}),
+        "/v2/models/stats": _get("Every model's inference statistics", _STATS),
+        "/v2/repository/index": _post(
+            "Every served model and its state", _INDEX,
+            {"type": "object", "properties": {"ready": {"type": "boolean"}}}, 400),
+        **_extensions(),
     }
     for name, runner in config.runners.items():
-        paths[f"/v2/models/{name}"] = _get(f"Model {name!r}'s metadata", {"type": "object"})
-        paths[f"/v2/models/{name}/ready"] = _get(f"Whether {name!r} can serve", ready, 503)
-        paths[f"/v2/models/{name}/infer"] = {"post": _infer(runner)}
+        paths.update(_model(name, runner))
     return {
         "openapi": "3.0.3",
         "info": {"title": "batchserve", "version": "1",

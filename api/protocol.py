@@ -53,6 +53,7 @@ __all__ = [
     "MODEL_VERSION",
     "InferRequest",
     "RequestedOutput",
+    "cost",
     "decode_infer",
     "encode_infer",
     "model_metadata",
@@ -136,7 +137,17 @@ class _Signature:
 
 def _parameters(runner: RunnerConfig) -> dict[str, Any]:
     """The batch limits; for ragged or pad inputs, whose request is one sequence that is
-    never split, the cap in elements instead of `max_batch_size`, so a client does not cut."""
+    never split, the cap in elements instead of `max_batch_size`, so a client does not cut.
+    A runner that groups by request parameters names them, each with the value it was timed
+    with (null when the model's own default was), so a client can make a valid request."""
+    limits = _limits(runner)
+    if runner.group_by:
+        timed = dict(runner.group_timing)
+        limits["group_by"] = {name: timed.get(name) for name in runner.group_by}
+    return limits
+
+
+def _limits(runner: RunnerConfig) -> dict[str, Any]:
     if runner.layout == "rows":
         return {
             "max_batch_size": runner.batching.max_batch_size,
@@ -354,6 +365,12 @@ def _decode_infer(
         rows=signature.inputs.rows(inputs),
         group=_group(params, runner),
     )
+
+
+def cost(request: InferRequest, runner: RunnerConfig) -> int:
+    """What a decoded request weighs against the runner's cap: rows, or for ragged or pad
+    inputs elements (its longest sequence)."""
+    return _signature(runner).inputs.cost(request.inputs, request.rows)
 
 
 def _group(params: Mapping[str, Any], runner: RunnerConfig) -> tuple[str, ...]:

@@ -34,7 +34,7 @@ from ..runner.core.timeouts import Timeouts
 from ..runner.core.types import Tensors
 from ..runner.core.wire import Address, FailureCode
 from ..runner.metrics import SECONDS_BUCKETS, Count, Tally
-from . import protocol
+from . import admission, protocol
 from .dispatch import NO_KEYS, Pool, RunnerFailure
 from .errors import (
     BadRequest,
@@ -133,6 +133,7 @@ class Service:
         self.arrived = asyncio.Event()  # set by every request: wakes the lag watch from idle
         self.waiting = dict.fromkeys(config.runners, 0)  # calls out to each runner
         self.reserves = {name: Reserve() for name in config.runners}
+        self.decode_rates = {name: admission.DecodeRate() for name in config.runners}
         self.gates = {name: Gate() for name in config.runners}
         # Answers are tallied here and written to the metrics in bulk (`flush`).
         self._answers: dict[tuple[str, int], Tally] = {}
@@ -277,8 +278,16 @@ class Exchange:
         try:
             # The deadline runs from the whole request's arrival: its upload is the client's.
             arrived = time.monotonic()
+            rate = service.decode_rates[runner.name] if header_length is None else None
+            if rate is not None and rate.least_s(len(body)) > runner.batching.max_latency_ms / 1e3:
+                raise admission.too_large_on_arrival(
+                    runner.name, len(body), rate.least_s(len(body)),
+                    runner.batching.max_latency_ms)
+            cpu = time.thread_time()
             call = self.call = protocol.decode_infer(
                 body, protocol.parse_header_length(header_length), runner)
+            spent_s = time.thread_time() - cpu
+            self._judge_decoding(call, len(body), spent_s, rate)
             limit = runner.batching.max_latency_ms / 1000
             if call.timeout_s is not None:
                 limit = min(limit, call.timeout_s)
@@ -292,11 +301,32 @@ class Exchange:
             # A runner answers by the call's deadline, or by its batch time limit once the
             # call is in a batch; the slack only bounds a runner process that hangs as a whole.
             wait_s = runner.batch_timeout_s + service.config.timeouts.call_slack_s
+            # Only a large body's decoding is told: a small one's is the fixed cost of any
+            # request, which the reserve covers, not a share of what its size needs.
+            told_s = spent_s if len(body) >= admission.LEARN_BYTES else 0.0
             service.pools[runner.name].submit(
-                call.inputs, call.rows, self.budget_s, call.group, wait_s, self.answered)
+                call.inputs, call.rows, self.budget_s, call.group, wait_s, self.answered,
+                told_s)
             service.waiting[runner.name] += 1
         except Exception as exc:
             self.fail(exc)
+
+    def _judge_decoding(self, call: protocol.InferRequest, size: int, spent_s: float,
+                        rate: admission.DecodeRate | None) -> None:
+        """Learn the decoding rate of a JSON body; refuse a request whose decoding alone
+        took more CPU than the runner's limit (see `batchserve.api.admission`)."""
+        runner = self.runner
+        assert runner is not None
+        if rate is not None:
+            rate.observe(size, spent_s)
+        limit_ms = runner.batching.max_latency_ms
+        # A small body's decoding is the fixed cost of any request (a garbage collection
+        # that ran in it, say), not what its size needs: only a large one's is judged.
+        if size >= admission.LEARN_BYTES and spent_s * 1000 > limit_ms:
+            unit = "rows" if runner.layout == "rows" else "elements"
+            raise admission.too_slow_to_decode(
+                runner.name, protocol.cost(call, runner), unit, spent_s, limit_ms,
+                binary=rate is None)
 
     def answered(self, outcome: Tensors | Exception) -> None:
         """The runner's answer (or why there is none): encode it and answer the client."""

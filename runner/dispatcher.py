@@ -271,11 +271,13 @@ class Dispatcher:
         reply: Reply,
         started: Started | None = None,
         group: tuple[str, ...] = (),
+        spent_s: float = 0.0,
     ) -> None:
         """Queue one request of `rows` rows, checked against the signature already (one row
         for ragged or pad inputs); `reply` is called exactly once, on the event loop, and
         `started` whenever a batch holding it (or a piece of it) goes to the model. `group`
-        holds its values of the runner's `group_by` parameters, as JSON texts."""
+        holds its values of the runner's `group_by` parameters, as JSON texts; `spent_s` what
+        it cost before it came (its decoding), which counts against the limit as well."""
         try:
             options = self._group_options(group)
         except ValueError as problem:
@@ -300,20 +302,24 @@ class Dispatcher:
             return
         # Judged against the runner's own limit, not what is left of it: time lost on the way
         # here is a passing delay, and a request that fits an idle model may run later.
-        if self._least_time_s(cost) > self.max_latency_s:
-            self._reply(reply, self._too_large(cost))
+        least_s = self._least_time_s(cost)
+        if spent_s + least_s > self.max_latency_s:
+            self._reply(reply, self._too_large(cost, spent_s))
             return
         if cost <= self.max_cost:
             job = _Job(tensors, reply, started=started, rows=rows, options=options)
             self._offer(job, cost, now, deadline, group)
             return
+        # On an idle model a request that fits its cost curve is taken whole, as one that
+        # needs a single batch is: refused, it would be refused at every try.
+        assured = not self._jobs and now + least_s <= deadline
         pieces = batching.chunk(
             tensors, rows, self.runner.batch_dim[0], self.max_cost, self.runner.unbatched
         )
         whole = _Whole(reply, [None] * len(pieces), len(pieces))
         for index, (piece, size) in enumerate(pieces):
             job = _Job(piece, reply, whole, index, started, size, options)
-            self._offer(job, size, now, deadline, group)
+            self._offer(job, size, now, deadline, group, assured)
 
     def _least_time_s(self, cost: int) -> float:
         """What a request of `cost` (rows, or elements) needs on an idle model: full batches
@@ -322,27 +328,30 @@ class Dispatcher:
         idle_time_s = self.policy.idle_time_s
         return full * idle_time_s(self.max_cost) + (idle_time_s(rest) if rest else 0.0)
 
-    def _too_large(self, cost: int) -> Rejection:
+    def _too_large(self, cost: int, spent_s: float = 0.0) -> Rejection:
         """Why a request that no wait can help is refused, with the most rows (or elements)
-        that fit."""
+        that fit; its decoding is taken to cost in proportion to its size."""
         low, high = 0, cost  # the most that fits lies in [low, high)
         while high - low > 1:
             middle = (low + high) // 2
-            fits = self._least_time_s(middle) <= self.max_latency_s
-            low, high = (middle, high) if fits else (low, middle)
+            need_s = spent_s * middle / cost + self._least_time_s(middle)
+            low, high = (middle, high) if need_s <= self.max_latency_s else (low, middle)
         advice = f"send at most {low} {self.unit} a request" if low else "raise max_latency_ms"
+        need_ms = (spent_s + self._least_time_s(cost)) * 1000
+        decoding = f" ({spent_s * 1000:.1f} ms of it to decode them)" if spent_s else ""
         return Rejection(FailureCode.TOO_LARGE, (
-            f"{cost} {self.unit} need {self._least_time_s(cost) * 1000:.1f} ms on runner "
+            f"{cost} {self.unit} need {need_ms:.1f} ms{decoding} on runner "
             f"{self.runner.name!r} even when it is idle, by its current cost model, over its "
             f"max_latency_ms of {self.runner.batching.max_latency_ms:g}; {advice}"
         ))
 
     def _offer(
-        self, job: _Job, rows: int, now: float, deadline: float, group: tuple[str, ...]
+        self, job: _Job, rows: int, now: float, deadline: float, group: tuple[str, ...],
+        assured: bool = False,
     ) -> None:
         ident = next(self._ids)
         self._jobs[ident] = job
-        if not self.policy.offer(Request(ident, rows, now, deadline, group), now):
+        if not self.policy.offer(Request(ident, rows, now, deadline, group, assured), now):
             retry = max(self.max_latency_s, Timeouts.RETRY_FLOOR_S)
             self._answer(ident, Rejection(
                 FailureCode.REFUSED,

@@ -139,7 +139,7 @@ class Connection(asyncio.BufferedProtocol):
             reply = functools.partial(self._reply, message.id)
             started = functools.partial(self._started, message.id)
             self.dispatcher.submit(message.tensors, message.rows, message.budget_s, reply, started,
-                                   message.group)
+                                   message.group, message.spent_s)
         elif isinstance(message, Ping):
             self._send(Pong(message.id))
         else:

@@ -59,8 +59,14 @@ APP = textwrap.dedent(
         await asyncio.sleep(30)
         return Response(b"late")
 
+    async def metadata(request):
+        # A v2 server's model metadata, which the bench makes its requests from.
+        return Response(b'{"name": "mlp", "inputs": [{"name": "x", "datatype": "FP32", '
+                        b'"shape": [-1, 256]}], "outputs": []}', media_type="application/json")
+
     app = Starlette(routes=[
         Route("/ok", ok, methods=["POST"]),
+        Route("/v2/models/mlp", metadata),
         Route("/v2/models/mlp/infer", ok, methods=["POST"]),
         Route("/busy", busy, methods=["POST"]),
         Route("/alternate/{key}", alternate, methods=["POST"]),
@@ -456,8 +462,8 @@ def test_a_sweep_reports_rates_statuses_goodput_and_batches(
     bundled: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     paths = {name: tmp_path / f"sweep.{name}" for name in ("json", "md", "png")}
-    argv = ["--url", bundled.url, "--model", "iris_clf", "--input", "input", "--features", "4",
-            "--output", "scores", "--sweep", "20,40", "--seconds", "1.5", "--binary",
+    argv = ["--url", bundled.url, "--model", "iris_clf", "--sweep", "20,40", "--seconds", "1.5",
+            "--binary",
             "--json", str(paths["json"]), "--markdown", str(paths["md"]),
             "--plot", str(paths["png"])]
     assert bench.main(argv) == 0
@@ -486,13 +492,13 @@ def test_a_sweep_reports_rates_statuses_goodput_and_batches(
 def test_every_request_failing_exits_non_zero_with_a_sample_body(
     bundled: Server, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["--url", bundled.url, "--model", "iris_clf", "--input", "nope", "--features", "4",
-            "--output", "scores", "--rate", "20", "--seconds", "0.5"]
+    argv = ["--url", bundled.url, "--model", "iris_clf", "--parameter", "timeout=-1",
+            "--rate", "20", "--seconds", "0.5"]
     assert bench.main(argv) == 1
     err = capsys.readouterr().err.splitlines()
-    assert err[-1] == "batchserve bench: every request failed"
+    assert err[-1].startswith("batchserve bench: every request failed; the first answer: 400 ")
     (sample,) = [line for line in err if line.startswith("sample answer with status 400: ")]
-    assert "nope" in sample
+    assert "parameters.timeout has value -1" in sample
 
 
 def test_a_model_that_does_not_exist_fails_with_its_404(
@@ -501,4 +507,6 @@ def test_a_model_that_does_not_exist_fails_with_its_404(
     argv = ["--url", bundled.url, "--model", "absent", "--rate", "20", "--seconds", "0.3"]
     assert bench.main(argv) == 1
     err = capsys.readouterr().err
-    assert "sample answer with status 404: " in err and "absent" in err
+    assert err == (f"batchserve bench: GET {bundled.url}/v2/models/absent answered 404: "
+                   '{"error":"model \'absent\' is not served here; known models: iris_clf, '
+                   'mlp, text, text_features"}\n')

@@ -89,15 +89,17 @@ def dispatcher(model: Callable[..., object], policy: Policy | None = None,
 
 
 def send(d: Dispatcher, x: np.ndarray, budget: float = 10.0,
-         started: Callable[[], None] | None = None) -> asyncio.Future[Tensors | Rejection]:
+         started: Callable[[], None] | None = None, spent: float = 0.0
+         ) -> asyncio.Future[Tensors | Rejection]:
     """Submit `x` now; the future holds its one answer."""
     future: asyncio.Future[Tensors | Rejection] = asyncio.get_running_loop().create_future()
-    d.submit({"x": x}, len(x), budget, future.set_result, started)
+    d.submit({"x": x}, len(x), budget, future.set_result, started, spent_s=spent)
     return future
 
 
-async def ask(d: Dispatcher, x: np.ndarray, budget: float = 10.0) -> Tensors | Rejection:
-    return await send(d, x, budget)
+async def ask(d: Dispatcher, x: np.ndarray, budget: float = 10.0, spent: float = 0.0
+              ) -> Tensors | Rejection:
+    return await send(d, x, budget, spent=spent)
 
 
 async def hold(d: Dispatcher, gate: Gate, x: np.ndarray) -> asyncio.Future[Tensors | Rejection]:
@@ -301,6 +303,49 @@ async def test_too_large_is_judged_against_the_runners_own_limit_not_the_budget_
     ), refused.message
 
 
+async def test_what_decoding_cost_counts_against_the_limit_with_the_model() -> None:
+    """5 rows need 0.5 s of model, within the 1 s limit alone; with 0.6 s spent decoding
+    them no idle model meets it. The most that fit decode in proportion: 0.22 s a row."""
+    d = dispatcher(Gate(), TenthOfASecondARow(4))
+    await d.start()
+    refused = await ask(d, rows(5), spent=0.6)
+    assert isinstance(refused, Rejection) and refused.code == FailureCode.TOO_LARGE
+    assert refused.message == (
+        "5 rows need 1100.0 ms (600.0 ms of it to decode them) on runner 'double' even when "
+        "it is idle, by its current cost model, over its max_latency_ms of 1000; send at "
+        "most 4 rows a request")
+    served = await ask(d, rows(5), spent=0.4)
+    assert not isinstance(served, Rejection), served
+
+
+class RefusesWhenQueued(GreedyPolicy):
+    """Greedy, but refuses whatever arrives while anything is queued or running, unless the
+    dispatcher assured it: what a reserve on later pieces does to a request cut in pieces."""
+
+    def offer(self, request: Request, now: float) -> bool:
+        if (self.queue or self.busy) and not request.assured:
+            return False
+        return super().offer(request, now)
+
+
+async def test_a_request_in_pieces_that_fits_an_idle_model_is_taken_whole() -> None:
+    """10 rows in pieces of 4 on an idle model: every piece is admitted, though the policy
+    refuses unassured arrivals while busy; behind a running batch the same request is
+    refused for now (503), not as too large."""
+    gate = Gate()
+    d = dispatcher(gate, RefusesWhenQueued(4))
+    await d.start()
+    whole = await ask(d, rows(10))
+    assert not isinstance(whole, Rejection), whole
+    assert whole["y"].tolist() == (rows(10) * 2).tolist()
+    assert sorted(gate.batches) == [2, 4, 4]
+    running = await hold(d, gate, rows(1))
+    busy = await ask(d, rows(10))
+    assert isinstance(busy, Rejection) and busy.code == FailureCode.REFUSED
+    gate.open.set()
+    assert not isinstance(await running, Rejection)
+
+
 class PerElement(GreedyPolicy):
     """Greedy, with an idle cost of 1 ms per element: what a ragged request needs is known."""
 
@@ -337,11 +382,12 @@ def sums_dispatcher(policy: Policy, model: Sums | None = None) -> Dispatcher:
 
 
 def send_sequence(d: Dispatcher, length: int, budget: float = 10.0,
-                  started: Callable[[], None] | None = None
+                  started: Callable[[], None] | None = None, spent: float = 0.0
                   ) -> asyncio.Future[Tensors | Rejection]:
     """Submit one ragged request of `length` ones: one row."""
     future: asyncio.Future[Tensors | Rejection] = asyncio.get_running_loop().create_future()
-    d.submit({"tokens": np.ones(length, np.int64)}, 1, budget, future.set_result, started)
+    d.submit({"tokens": np.ones(length, np.int64)}, 1, budget, future.set_result, started,
+             spent_s=spent)
     return future
 
 
@@ -360,6 +406,21 @@ async def test_a_sequence_too_long_for_the_runners_own_limit_is_413_and_not_for_
     assert not (isinstance(hurried, Rejection) and hurried.code == FailureCode.TOO_LARGE)
     fits = await send_sequence(d, 80)
     assert not isinstance(fits, Rejection) and fits["sum"].tolist() == [80]
+
+
+async def test_decoding_counts_against_the_limit_in_elements_too() -> None:
+    """80 elements need 80 ms of model; with 30 ms of decoding, 110 ms: over the 100 ms
+    limit. Decoding at 0.375 ms an element, 72 elements fit."""
+    d = sums_dispatcher(PerElement(1000))
+    await d.start()
+    refused = await send_sequence(d, 80, spent=0.03)
+    assert isinstance(refused, Rejection) and refused.code == FailureCode.TOO_LARGE
+    assert refused.message == (
+        "80 elements need 110.0 ms (30.0 ms of it to decode them) on runner 'sums' even when "
+        "it is idle, by its current cost model, over its max_latency_ms of 100; send at most "
+        "72 elements a request")
+    fits = await send_sequence(d, 72, spent=0.027)
+    assert not isinstance(fits, Rejection) and fits["sum"].tolist() == [72]
 
 
 async def test_a_sequence_over_max_batch_elements_is_never_cut_but_refused() -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Server
+from tests.conftest import Server, wait_for
 
 SLOW = """
 runners:
@@ -119,8 +119,9 @@ def test_rows_the_model_cannot_run_within_the_limit_even_idle_are_413_at_once(
         assert "retry-after" not in answer.headers
         error = answer.json()["error"]
         match = re.fullmatch(
-            r"5000 rows need ([\d.]+) ms on runner 'mlp' even when it is idle, by its current "
-            r"cost model, over its max_latency_ms of 100; send at most (\d+) rows a request",
+            r"5000 rows need ([\d.]+) ms \([\d.]+ ms of it to decode them\) on runner 'mlp' "
+            r"even when it is idle, by its current cost model, over its max_latency_ms of 100; "
+            r"send at most (\d+) rows a request",
             error,
         )
         assert match is not None, error
@@ -129,6 +130,74 @@ def test_rows_the_model_cannot_run_within_the_limit_even_idle_are_413_at_once(
     # Refused before any compute: not one batch of 64 rows ran for them.
     assert sample(metrics, "batchserve_adaptive_batch_size_bucket", runner="mlp", le="64.0") \
         == sample(metrics, "batchserve_adaptive_batch_size_bucket", runner="mlp", le="32.0")
+
+
+NEED = (r"5000 rows need [\d.]+ ms \([\d.]+ ms of it to decode them\) on runner 'mlp' even "
+        r"when it is idle, by its current cost model, over its max_latency_ms of 100; send at "
+        r"most \d+ rows a request")
+DECODE = (r"5000 rows took ([\d.]+) ms of CPU to decode for runner 'mlp', over its "
+          r"max_latency_ms of 100 before its model runs; send fewer than about \d+ rows a "
+          r"request, or the tensors as binary data \(the binary tensor extension\)")
+ARRIVAL = (r"a JSON body of \d+ bytes takes at least ([\d.]+) ms to decode for runner 'mlp' "
+           r"\(at the fastest rate this server has decoded its requests\), over its "
+           r"max_latency_ms of 100; send fewer rows a request, or the tensors as binary data "
+           r"\(the binary tensor extension\), which decode far faster")
+
+
+def calm(client: httpx.Client) -> None:
+    """Wait until the worker serves a row again: a long decode holds its event loop, and
+    the front then sheds for a moment (503), which is not what these tests are about."""
+    one = {"inputs": [ROW]}
+    wait_for(lambda: client.post("/v2/models/mlp/infer", json=one).status_code == 200, 30,
+             "the worker to serve again")
+
+
+def json_rows(rows: int) -> bytes:
+    data = np.full((rows, 256), 0.5, dtype=np.float32).ravel().tolist()
+    return orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [rows, 256],
+                                     "data": data}]})
+
+
+def test_json_rows_too_slow_to_decode_within_the_limit_are_413_at_every_try(
+    bundled: Server,
+) -> None:
+    """5,000 rows of JSON: its decoding and model need more than mlp's 100 ms. The first
+    try is refused after decoding (by its CPU time, or by the runner with that time added),
+    and once its decoding was seen too slow, on arrival without decoding again."""
+    body = json_rows(5000)
+    answers = []
+    with bundled.client() as client:  # one connection: one API worker
+        for _ in range(3):
+            calm(client)
+            answers.append(client.post("/v2/models/mlp/infer", content=body))
+    for answer in answers:
+        assert answer.status_code == 413, answer.text
+        assert "retry-after" not in answer.headers
+    errors = [answer.json()["error"] for answer in answers]
+    decoded = re.fullmatch(DECODE, errors[0])
+    assert decoded is not None or re.fullmatch(NEED, errors[0]), errors[0]
+    if decoded is not None:  # the decoding alone was too slow: known on arrival from now on
+        for error in errors[1:]:
+            arrival = re.fullmatch(ARRIVAL, error)
+            assert arrival is not None and float(arrival[1]) > 100.0, error
+
+
+def test_a_request_in_pieces_is_never_503_on_an_idle_model(bundled: Server) -> None:
+    """1,000 rows binary and 600 rows of JSON are cut into pieces of 64. On an idle model
+    each is served, or refused as too large if this machine is too slow for the limit; never
+    answered 503, which would have its client retry for ever."""
+    blob = np.full((1000, 256), 0.5, dtype=np.float32).tobytes()
+    header = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1000, 256],
+                                        "parameters": {"binary_data_size": len(blob)}}]})
+    binary = {"Inference-Header-Content-Length": str(len(header))}
+    with bundled.client() as client:
+        for content, headers in [(header + blob, binary), (json_rows(600), {})] * 3:
+            calm(client)
+            answer = client.post("/v2/models/mlp/infer", content=content, headers=headers)
+            assert answer.status_code in (200, 413), answer.text
+            if answer.status_code == 413:
+                assert "retry-after" not in answer.headers
+                assert "even when it is idle" in answer.json()["error"]
 
 
 def sample(text: str, name: str, **labels: str) -> float:

@@ -56,6 +56,21 @@ def test_refuses_at_arrival_when_the_queue_ahead_makes_it_late() -> None:
     assert policy.stats(0.03).queued == 2
 
 
+def test_an_assured_piece_is_admitted_where_the_queue_would_refuse_it() -> None:
+    """The pieces after the first of a request the dispatcher found to fit an idle model:
+    the reserve on them would refuse the request at every try."""
+    policy = adaptive(intercept=0.045, slope=0.0, size=2)
+    policy.offer(request(1, 0.0), 0.0)
+    assert policy.poll(0.0).batch is not None
+    assert policy.offer(request(2, 0.01), 0.01)
+    assert policy.offer(request(3, 0.02), 0.02)
+    late = request(4, 0.03)
+    assert not policy.offer(late, 0.03)
+    assured = Request(5, late.rows, late.arrival, late.deadline, assured=True)
+    assert policy.offer(assured, 0.03)
+    assert policy.stats(0.03).queued == 3
+
+
 def test_a_stalled_batch_runs_on_in_promises_and_what_it_would_strand_is_refused() -> None:
     policy = adaptive(intercept=0.01, slope=0.0)
     policy.offer(request(0, 0.0), 0.0)

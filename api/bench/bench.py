@@ -1,27 +1,30 @@
 """`batchserve bench`: sweep a v2 infer endpoint with open-loop load and report what it measured.
 
 Why apart from `batchserve.api.bench.loadgen`: the generator knows HTTP/1.1 and arrival
-schedules but nothing of the Open Inference Protocol; this module builds the v2 request body it
-sends (JSON or binary tensors, the way `tritonclient.http` would) and is the command line around
-it: one run per rate of the sweep, the server's own figures read around each
-(`batchserve.api.bench.probe`), the report written as a table, JSON and a plot (`report`,
-`plot`).
+schedules but nothing of the Open Inference Protocol; the v2 request body it sends is made from
+the model's metadata (`batchserve.api.bench.requests`, JSON or binary tensors, the way
+`tritonclient.http` would), so any served model is benchmarked by its name alone. This module
+is the command line around it: one run per rate of the sweep, the server's own figures read
+around each (`batchserve.api.bench.probe`), the report written as a table, JSON and a plot
+(`report`, `plot`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import get_args
+from urllib.parse import quote
 
 import numpy as np
 import orjson
 
-from . import plot, probe
+from . import plot, probe, requests
 from .loadgen import loop_factory, run_load
 from .progress_bar import ProgressBar
 from .report import Report, Step, markdown, warnings
@@ -43,7 +46,8 @@ def infer_body(
     output_name: str = "y",
     seed: int = 0,
 ) -> tuple[bytes, dict[str, str]]:
-    """A v2 infer request with an FP32 ``[rows, features]`` input, as JSON or binary tensors.
+    """A v2 infer request with an FP32 ``[rows, features]`` input, as JSON or binary tensors:
+    for scripts that load the bundled `mlp` without reading its metadata.
 
     The binary form is the v2 binary tensor data extension as ``tritonclient.http`` sends it:
     a JSON header whose length is in ``Inference-Header-Content-Length``, then raw
@@ -91,6 +95,27 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def _shape(text: str) -> tuple[str, list[int]]:
+    name, _, dims = text.partition("=")
+    try:
+        shape = [int(dim) for dim in dims.split(",")]
+    except ValueError:
+        shape = []
+    if not name or not shape or min(shape) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=D1,D2,... with sizes >= 0")
+    return name, shape
+
+
+def _parameter(text: str) -> tuple[str, object]:
+    key, equals, value = text.partition("=")
+    if not key or not equals:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="batchserve bench",
@@ -111,10 +136,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="goodput counts 2xx answers within this many ms (default: the model's "
                    f"max_latency_ms as the server's /metrics state it, else {DEFAULT_LIMIT_MS:g})")
     p.add_argument("--binary", action="store_true", help="use the v2 binary tensor extension")
-    p.add_argument("--rows", type=int, default=1, help="rows per request (batch dimension)")
-    p.add_argument("--features", type=int, default=256, help="features per row")
-    p.add_argument("--input", default="x", help="input tensor name")
-    p.add_argument("--output", default="y", help="output tensor name")
+    p.add_argument("--rows", type=int, default=1,
+                   help="rows per request, at each batchable input's batch dimension")
+    p.add_argument("--elements", type=int, default=16,
+                   help="elements of a ragged or pad input's sequence, and the size of any "
+                   "other -1 dimension")
+    p.add_argument("--shape", type=_shape, action="append", default=[], metavar="NAME=D1,D2",
+                   help="send input NAME with this shape instead (repeatable)")
+    p.add_argument("--parameter", type=_parameter, action="append", default=[],
+                   metavar="KEY=VALUE",
+                   help="a request parameter (repeatable); VALUE is read as JSON, else as a "
+                   "string")
     p.add_argument("--connections", type=int, default=256, help="connection pool cap")
     p.add_argument("--seed", type=int, default=0, help="seed of the first rate's arrivals")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
@@ -128,8 +160,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments argparse cannot check alone, or None."""
-    if not all(map(_positive, (args.rate, args.seconds))) or args.rows < 1 or args.connections < 1:
-        return "--rate, --seconds, --rows, --connections must be positive"
+    if (not all(map(_positive, (args.rate, args.seconds))) or args.rows < 1
+            or args.elements < 1 or args.connections < 1):
+        return "--rate, --seconds, --rows, --elements, --connections must be positive"
     if args.limit_ms is not None and not _positive(args.limit_ms):
         return "--limit-ms must be positive"
     if args.plot is not None:
@@ -152,11 +185,12 @@ def _limit(args: argparse.Namespace, reading: Scrape | None) -> tuple[float, str
 
 def _sweep(args: argparse.Namespace, base: str) -> Report:
     """One run per rate, the server's metrics read before and after each."""
-    body, headers = infer_body(
-        args.rows, args.features, binary=args.binary, input_name=args.input,
-        output_name=args.output, seed=args.seed,
+    body, headers = requests.request_body(
+        requests.metadata(base, args.model), rows=args.rows, elements=args.elements,
+        binary=args.binary, seed=args.seed, parameters=dict(args.parameter),
+        shapes=dict(args.shape),
     )
-    url = f"{base}/v2/models/{args.model}/infer"
+    url = f"{base}/v2/models/{quote(args.model, safe='')}/infer"
     before = probe.read(base)
     limit_ms, source = _limit(args, before)
     steps = []
@@ -205,7 +239,9 @@ def _complain(report: Report) -> int:
     for status, text in samples.items():
         print(f"sample answer with status {status}: {text.strip()}", file=sys.stderr)
     if report.ok == 0:
-        print("batchserve bench: every request failed", file=sys.stderr)
+        first = next(iter(samples.items()), None)
+        said = f"; the first answer: {first[0]} {first[1].strip()}" if first else ""
+        print(f"batchserve bench: every request failed{said}", file=sys.stderr)
         return FAILED
     return 0
 
@@ -219,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE
     try:
         report = _sweep(args, args.url.rstrip("/"))
-    except probe.Unreachable as exc:
+    except (probe.Unreachable, requests.RequestError) as exc:
         print(f"batchserve bench: {exc}", file=sys.stderr)
         return FAILED
     except ValueError as exc:

@@ -7,7 +7,8 @@ names a unix socket or a TCP endpoint (optionally under TLS) on another host.
 
     frame   := u32 body_length | body
     body    := u8 kind | u64 id | payload
-    Call    := f64 budget_s | u32 rows | u16 count | u8 groups | (u16 length | utf-8)[groups]
+    Call    := f64 budget_s | f64 spent_s | u32 rows | u16 count | u8 groups
+               | (u16 length | utf-8)[groups]
                | tensor*                                         (API -> runner)
     Result  := u16 count | tensor*                                  (runner -> API)
     Failure := u8 code | f64 retry_after_s | utf-8 text             (runner -> API)
@@ -48,7 +49,7 @@ from .types import BYTES, DATATYPES, Tensors
 
 _LENGTH = struct.Struct("<I")
 _HEAD = struct.Struct("<BQ")
-_CALL = struct.Struct("<dIHB")
+_CALL = struct.Struct("<ddIHB")
 _GROUP_VALUE = struct.Struct("<H")
 _COUNT = struct.Struct("<H")
 _FAILURE = struct.Struct("<Bd")
@@ -58,7 +59,8 @@ _ELEMENT = struct.Struct("<I")
 _HELLO = struct.Struct("<HI")
 _VERSION = struct.Struct("<H")
 NONCE_BYTES = 32
-PROTOCOL_VERSION = 3  # 2: the Call frame carries its row count; 3: and its group
+# 2: the Call frame carries its row count; 3: and its group; 4: and its spent time
+PROTOCOL_VERSION = 4
 _DTYPES = list(DATATYPES.values())
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 MAX_FRAME = 1 << 31
@@ -109,6 +111,9 @@ class Call:
     tensors: Tensors
     group: tuple[str, ...] = ()
     """The request's values of the runner's `group_by` parameters, as JSON texts."""
+    spent_s: float = 0.0
+    """What the request cost before it was sent (the API's CPU time decoding it), which it
+    costs again however often it is sent: part of what must fit the latency limit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +241,8 @@ def encode(message: Message) -> Chunks:
     out: Chunks = [b""]  # replaced by the length prefix and head
     if isinstance(message, Call):
         head = _HEAD.pack(Kind.CALL, message.id) + _CALL.pack(
-            message.budget_s, message.rows, len(message.tensors), len(message.group)
+            message.budget_s, message.spent_s, message.rows, len(message.tensors),
+            len(message.group)
         ) + _group_bytes(message.group)
         size = _tensors_chunks(message.tensors, len(head), out)
     elif isinstance(message, Result):
@@ -403,9 +409,9 @@ def decode(body: bytearray) -> Message:
         kind, ident = _HEAD.unpack_from(body, 0)
         offset = _HEAD.size
         if kind == Kind.CALL:
-            budget, rows, count, groups = _CALL.unpack_from(body, offset)
+            budget, spent, rows, count, groups = _CALL.unpack_from(body, offset)
             group, offset = _read_group(body, offset + _CALL.size, groups)
-            return Call(ident, budget, rows, _read_tensors(body, offset, count), group)
+            return Call(ident, budget, rows, _read_tensors(body, offset, count), group, spent)
         if kind == Kind.RESULT:
             (count,) = _COUNT.unpack_from(body, offset)
             return Result(ident, _read_tensors(body, offset + _COUNT.size, count))

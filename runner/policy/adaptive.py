@@ -178,11 +178,16 @@ class AdaptivePolicy:
         An idle model with nothing queued takes any request whose rows alone fit the deadline
         on the cost curve: serving it costs no one anything, and its batch tells the model
         how the machine runs now, so a stretch learned in a bad moment cannot refuse every
-        request for ever.
+        request for ever. The same holds for a request cut into pieces: the dispatcher marks
+        its pieces `assured` when the whole fits the idle model on the cost curve, else a
+        request of a few pieces, refused on the reserve of its later ones, would be refused
+        at every try on an idle model.
         """
         if self._busy.batch is None and not self._waiting.requests:
             self._waiting.probe = request.id
             return now + self._costs.fit.cost(request.rows) <= request.deadline
+        if request.assured:  # the rest of a request cut into pieces that the rule above took
+            return True
         deadline = request.deadline
         if self.promised_finish(request.rows, now, request.group, deadline) <= deadline:
             return True

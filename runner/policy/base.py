@@ -4,7 +4,8 @@ A policy owns no socket, task or thread. The live dispatcher (`batchserve.runner
 the discrete-event simulator (`batchserve.runner.sim.simulate`) drive the very same object
 through four calls:
 
-    offer(request, now) -> bool         admit a request, or refuse it at once (HTTP 503)
+    offer(request, now) -> bool         admit a request, or refuse it at once (HTTP 503);
+                                        a request marked `assured` is always admitted
     poll(now) -> Step                   when the model is free, after an arrival, on a wake-up
     complete(batch, started, finished, cpu_s)  a released batch's measured wall and CPU time
     stats(now) -> PolicyStats           a snapshot for metrics
@@ -45,6 +46,9 @@ class Request:
     group: tuple[str, ...] = ()
     """The values of the runner's `group_by` parameters: only requests of one group share a
     batch. Empty for a runner that does not group."""
+    assured: bool = False
+    """A piece of a request that arrived at an idle model and fits it on the cost curve: the
+    dispatcher admitted the whole request, so a policy takes every piece (see `offer`)."""
 
 
 @dataclass(frozen=True, slots=True)
