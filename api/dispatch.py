@@ -33,6 +33,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..runner.core.config import Choice
 from ..runner.core.handshake import Refused, answer, welcomed
@@ -61,6 +62,7 @@ from .discovery import Discovery, Resolver, resolve
 from .errors import Unavailable
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 DEFAULT_TIMEOUTS = Timeouts()
 NO_KEYS = Credentials()
 
@@ -244,16 +246,7 @@ class Link(asyncio.BufferedProtocol):
         """Send the message `build` makes for a fresh id and wait for its answer (for pings
         and tools; the request path uses `send`)."""
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-
-        def answer(outcome: Message | Exception) -> None:
-            if future.done():
-                return
-            if isinstance(outcome, Exception):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
-
-        self.send(build, answer, math.inf)
+        self.send(build, functools.partial(_settle, future), math.inf)
         ident = self.next_id
         try:
             return await future
@@ -500,16 +493,19 @@ class Pool:
     ) -> Tensors:
         """`submit`, awaited."""
         future: asyncio.Future[Tensors] = asyncio.get_running_loop().create_future()
-
-        def done(outcome: Tensors | Exception) -> None:
-            if not future.done():
-                if isinstance(outcome, Exception):
-                    future.set_exception(outcome)
-                else:
-                    future.set_result(outcome)
-
-        self.submit(tensors, rows, budget_s, group, wait_s, done)
+        self.submit(tensors, rows, budget_s, group, wait_s, functools.partial(_settle, future))
         return await future
+
+
+def _settle(future: asyncio.Future[_T], outcome: _T | Exception) -> None:
+    """Settle `future` with a callback's outcome, or the exception standing for it; once (a
+    caller that gave up has cancelled it already)."""
+    if future.done():
+        return
+    if isinstance(outcome, Exception):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 Done = Callable[[Tensors | Exception], None]
