@@ -29,6 +29,10 @@ DRAIN_TARGETS = 10.0
 """How many lag targets behind the loop counts as far behind (see `Shedder.drain_s`)."""
 FORGOTTEN = 0.001
 """A gate's share below this is no share at all: the runner stopped refusing."""
+ENGAGED = 0.1
+"""A gate refuses nothing while its share is below this (some five refusals in quick
+succession): a few refusals are the runner's own decisions at the margin, a stalled batch
+say, which the runner explains better than the gate could; a standing overload soon passes it."""
 
 
 @dataclass(slots=True)
@@ -115,9 +119,9 @@ class Gate:
         self.at = now
 
     def shares(self, now: float) -> float:
-        """The share refused now (0 once it has decayed below `FORGOTTEN`)."""
+        """The share refused now: 0 below `ENGAGED`."""
         self._decay(now)
-        return self.share
+        return self.share if self.share >= ENGAGED else 0.0
 
     def refused(self, now: float) -> None:
         """The runner refused a request the gate let through."""
@@ -126,10 +130,7 @@ class Gate:
 
     def admits(self, draw: float, now: float) -> bool:
         """Whether a request with a uniform `draw` in [0, 1) goes on to the runner."""
-        if not self.share:
-            return True
-        self._decay(now)
-        return draw >= self.share
+        return self.share < ENGAGED or draw >= self.shares(now)
 
 
 async def watch(

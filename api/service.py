@@ -189,14 +189,19 @@ class Service:
 
     def shed(self, runner: str) -> None:
         """Refuse before any work when this worker is behind, or its runner refuses what
-        comes (see `batchserve.api.overload`)."""
+        comes (see `batchserve.api.overload`). Only while other requests are in flight: with
+        none there is no backlog to shed, so the first request after an overload is served
+        whatever share the controllers still hold."""
         if self.inflight > self.config.api.max_inflight:
             raise Overloaded(f"{self.inflight - 1} requests in flight in this API worker")
+        if self.inflight == 1:  # this request alone
+            return
         if self.shedder.share and not self.shedder.admits(random.random()):
             lag_ms = self.shedder.lag_s * 1000.0
             raise Overloaded(f"this API worker runs {lag_ms:.0f} ms behind")
         gate = self.gates[runner]
-        if gate.share and not gate.admits(random.random(), time.monotonic()):
+        if (gate.share and self.waiting[runner]
+                and not gate.admits(random.random(), time.monotonic())):
             raise Overloaded(f"runner {runner!r} refuses {100 * gate.share:.0f}% of what "
                              "comes now")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,7 +11,7 @@ import httpx
 import pytest
 
 from batchserve.api.app import create_app
-from batchserve.api.overload import Shedder, watch
+from batchserve.api.overload import ENGAGED, Gate, Shedder, watch
 from batchserve.runner.core.config import parse
 from tests.conftest import Server
 
@@ -49,6 +50,27 @@ def test_the_share_falls_back_when_the_lag_does_and_never_passes_the_ceiling() -
         shedder.observe(0.0)
     assert shedder.share == 0.0
     assert shedder.admits(0.0)
+
+
+def test_a_gate_ignores_a_few_refusals_and_acts_on_a_run_of_them() -> None:
+    gate = Gate(step=0.02, tau_s=0.1)
+    for _ in range(3):  # a stalled batch's few refusals: the runner explains those itself
+        gate.refused(now=1.0)
+    assert 0.0 < gate.share < ENGAGED
+    assert gate.shares(1.0) == 0.0 and gate.admits(0.0, 1.0)
+    for _ in range(30):  # a standing overload
+        gate.refused(now=1.0)
+    assert gate.shares(1.0) == pytest.approx(1 - 0.98 ** 33)
+    assert not gate.admits(0.4, 1.0) and gate.admits(0.5, 1.0)
+
+
+def test_a_gate_forgets_within_a_few_time_constants() -> None:
+    gate = Gate(step=0.5, tau_s=0.1, ceiling=0.95)
+    for _ in range(10):
+        gate.refused(now=0.0)
+    assert gate.shares(0.0) == 0.95
+    assert gate.shares(0.1) == pytest.approx(0.95 / math.e)
+    assert gate.shares(0.3) == 0.0 and gate.admits(0.0, 0.3)  # under ENGAGED: nothing refused
 
 
 async def test_watch_measures_how_long_the_loop_was_blocked_and_records_it() -> None:
@@ -110,15 +132,19 @@ async def test_a_shedding_worker_answers_503_with_retry_after_before_reading_the
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256], "data": [0] * 256}]}
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        alone = await client.post("/v2/models/mlp/infer", json=body)
+        app.service.inflight = 1  # another request in flight: a backlog to shed for
         answer = await client.post("/v2/models/mlp/infer", json=body)
         unknown = await client.post("/v2/models/nope/infer", json=body)
+    # With nothing else in flight there is no backlog: it goes on (to no runner, here).
+    assert alone.json() == {"error": "no process of runner 'mlp' is reachable"}
     assert answer.status_code == 503
     assert answer.headers["retry-after"] == "1"
     assert answer.json() == {
         "error": "the server is overloaded (this API worker runs 12 ms behind); retry later"
     }
     assert unknown.status_code == 404  # a wrong URL is still told what is wrong
-    assert app.service.inflight == 0
+    assert app.service.inflight == 1
 
 
 def limits(*max_latency_ms: float) -> str:
