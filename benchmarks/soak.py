@@ -27,6 +27,8 @@ from batchserve.api.bench.loadgen import loop_factory, run_load
 from batchserve.api.bench.server import serve
 
 ROOT = Path(__file__).resolve().parent.parent
+CONNECTIONS = 256  # the most the load generator opens at a time
+SURGE_S = 3.0
 
 
 def rss_kib(pid: int) -> int | None:
@@ -81,16 +83,23 @@ class Soak:
 
 def soak(url: str, root: int, rate: float, seconds: float, window: float,
          runner: asyncio.Runner, warmup_s: float = 15.0) -> Soak:
-    """``warmup_s`` at the rate first: an API worker's allocator reaches its high-water mark
-    for a rate within some 10 s of it (a step of a few MB, once), which is no leak."""
+    """Warm up first, to the high-water mark of an API worker's allocator: it grows by a few
+    MB, once, with the most connections and requests it has held at a time, which a hiccup
+    of the machine (a late client, a busy core) can raise at any moment of a run. So the
+    warm-up holds every connection the client may open busy at once (`SURGE_S` at three
+    times the rate), then runs `warmup_s` at the rate: from there on, growth is a leak."""
     body, headers = infer_body(1, 256, binary=False)
     target = f"{url}/v2/models/mlp/infer"
-    runner.run(run_load(target, body, headers, rate=rate, seconds=warmup_s))
+    runner.run(run_load(target, body, headers, rate=3 * rate, seconds=SURGE_S,
+                        max_connections=CONNECTIONS, warm_connections=CONNECTIONS))
+    runner.run(run_load(target, body, headers, rate=rate, seconds=warmup_s,
+                        max_connections=CONNECTIONS))
     result = Soak(rate, seconds, rss_start_kib=server_rss(root))
     elapsed = 0.0
     while elapsed < seconds:
         span = min(window, seconds - elapsed)
-        load = runner.run(run_load(target, body, headers, rate=rate, seconds=span))
+        load = runner.run(run_load(target, body, headers, rate=rate, seconds=span,
+                                   max_connections=CONNECTIONS))
         result.sent += load.sent
         result.answered += load.answered
         result.ok += load.ok
