@@ -19,9 +19,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..runner.core.timeouts import Timeouts
 
@@ -39,42 +38,50 @@ say, which the runner explains better than the gate could; a standing overload s
 class Shedder:
     """The share of new requests to turn away, driven by the measured loop lag.
 
-    It acts on a standing backlog, not on a busy moment: only while even the smallest lag of
-    the last `window` ticks (100 ms) is over the target (a tenth of the tightest runner's
-    limit, and at least `Timeouts.LAG_FLOOR_S`: 10 ms is no backlog to a 30 s limit) does the
-    share climb, by `step_up` a tick (from nothing to half the traffic in another 100 ms); on a
-    timely tick it falls by `step_down` (half a second from half to nothing). A loop that is
-    busy in bursts but catches up between them, as under closed-loop clients whose requests
-    in flight are bounded, has timely ticks in every window and sheds nothing (CoDel's rule
-    for queues). Measured with 64 closed-loop clients on the bundled `mlp`: a window of 30 ms
-    shed 3 to 26 of about 35,000 requests in some 10 s runs; a backlog that overload builds
-    lasts seconds, so waiting 100 ms to act on it costs little.
+    It acts on a standing backlog, not on a busy moment: only once every tick of the last
+    `window_s` (100 ms) has been late by more than the target (a tenth of the tightest
+    runner's limit, and at least `Timeouts.LAG_FLOOR_S`: 10 ms is no backlog to a 30 s limit)
+    does the share climb, by `rise_per_s` of the time each late tick took (from nothing to half
+    the traffic in another 100 ms); on a timely tick it falls by `fall_per_s` of it (half a
+    second from half to nothing). Both count time, not ticks: a late tick takes longer, and a
+    controller that counted ticks would act slowest when the loop is furthest behind. A loop
+    that is busy in bursts but catches up between them, as under closed-loop clients whose
+    requests in flight are bounded, has timely ticks in every window and sheds nothing
+    (CoDel's rule for queues). Measured with 64 closed-loop clients on the bundled `mlp`: a
+    window of 30 ms shed 3 to 26 of about 35,000 requests in some 10 s runs; a backlog that
+    overload builds lasts seconds, so waiting 100 ms to act on it costs little.
+
+    While it sheds, it also turns away every request read while the loop's next tick is
+    overdue by more than the target (`due`, set by `watch`): such a request has waited at
+    least that long unseen, and refusing it at once is what lets the loop catch up.
     """
 
     target_s: float = 0.010
-    window: int = 10
-    step_up: float = 0.05
-    step_down: float = 0.01
+    window_s: float = 0.1
+    rise_per_s: float = 5.0
+    fall_per_s: float = 1.0
     ceiling: float = 0.95
     period_s: float = 0.01
     share: float = 0.0
     lag_s: float = 0.0
-    recent: deque[float] = field(default_factory=deque)
+    late_s: float = 0.0  # how long every tick has been late, up to now
+    due: float = math.inf
 
     def observe(self, lag_s: float) -> None:
-        self.lag_s = lag_s
-        recent = self.recent
-        recent.append(lag_s)
-        if len(recent) > self.window:
-            recent.popleft()
-        if len(recent) == self.window and min(recent) > self.target_s:
-            self.share = min(self.ceiling, self.share + self.step_up)
-        elif lag_s <= self.target_s:
-            self.share = max(0.0, self.share - self.step_down)
-        if lag_s > self.drain_s and len(recent) > 1 and recent[-2] > self.drain_s:
+        took_s = self.period_s + lag_s
+        previous, self.lag_s = self.lag_s, lag_s
+        if lag_s > self.target_s:
+            self.late_s += took_s
+            if self.late_s >= self.window_s:
+                self.share = min(self.ceiling, self.share + self.rise_per_s * took_s)
+        else:  # the further under the target, the faster: at the target it holds
+            self.late_s = 0.0
+            spare = (self.target_s - lag_s) / self.target_s
+            self.share = max(0.0, self.share - self.fall_per_s * spare * took_s)
+        if lag_s > self.drain_s and previous > self.drain_s:
             # Far behind, twice in a row: the loop runs (period + lag) / period times slower
             # than its work arrives; turn away at once what it cannot catch up with.
-            catch_up = 1.0 - (self.period_s + self.target_s) / (self.period_s + lag_s)
+            catch_up = 1.0 - (self.period_s + self.target_s) / took_s
             self.share = min(self.ceiling, max(self.share, catch_up))
 
     @property
@@ -85,9 +92,14 @@ class Shedder:
         window of late ticks."""
         return DRAIN_TARGETS * self.target_s
 
-    def admits(self, draw: float) -> bool:
-        """Whether a request with a uniform `draw` in [0, 1) is served."""
-        return draw >= self.share
+    def admits(self, draw: float, now: float) -> bool:
+        """Whether a request with a uniform `draw` in [0, 1) is served. While shedding, none
+        is served that the loop reads more than the target behind its next tick."""
+        return draw >= self.share and now - self.due <= self.target_s
+
+    def behind_s(self, now: float) -> float:
+        """How late the loop runs: its last tick's lag, or more if the next is overdue."""
+        return max(self.lag_s, now - self.due)
 
 
 @dataclass(slots=True)
@@ -153,8 +165,10 @@ async def watch(
             woken.clear()
             await woken.wait()
         started = clock()
+        shedder.due = started + period_s
         await asyncio.sleep(period_s)
         now = clock()
+        shedder.due = math.inf
         lag_s = max(0.0, now - started - period_s)
         shedder.observe(lag_s)
         if record is not None:

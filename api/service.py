@@ -196,9 +196,9 @@ class Service:
             raise Overloaded(f"{self.inflight - 1} requests in flight in this API worker")
         if self.inflight == 1:  # this request alone
             return
-        if self.shedder.share and not self.shedder.admits(random.random()):
-            lag_ms = self.shedder.lag_s * 1000.0
-            raise Overloaded(f"this API worker runs {lag_ms:.0f} ms behind")
+        shedder = self.shedder
+        if shedder.share and not shedder.admits(random.random(), now := time.monotonic()):
+            raise Overloaded(f"this API worker runs {shedder.behind_s(now) * 1000:.0f} ms behind")
         gate = self.gates[runner]
         if (gate.share and self.waiting[runner]
                 and not gate.admits(random.random(), time.monotonic())):

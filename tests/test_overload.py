@@ -24,32 +24,39 @@ def anyio_backend() -> str:
 
 
 def test_only_a_standing_lag_sheds_and_a_busy_loop_that_catches_up_does_not() -> None:
-    shedder = Shedder(target_s=0.005, window=4, step_up=0.05, step_down=0.01)
+    shedder = Shedder(target_s=0.005, window_s=0.2, rise_per_s=1.0, fall_per_s=0.5)
     for lag in [0.050, 0.050, 0.050, 0.001] * 5:  # late in bursts, timely between them
         shedder.observe(lag)
     assert shedder.share == 0.0
     for _ in range(3):
         shedder.observe(0.050)
-    assert shedder.share == 0.0  # three late ticks: not yet a whole window
+    assert shedder.share == 0.0  # three late ticks of 60 ms: not yet a whole window
     shedder.observe(0.050)
-    assert shedder.share == pytest.approx(0.05)
+    assert shedder.share == pytest.approx(0.06)  # it climbs by the time the tick took
     for _ in range(8):
         shedder.observe(0.050)
-    assert shedder.share == pytest.approx(0.45)
-    assert not shedder.admits(0.44) and shedder.admits(0.45)
+    assert shedder.share == pytest.approx(0.54)
+    assert not shedder.admits(0.53, 0.0) and shedder.admits(0.54, 0.0)
 
 
 def test_the_share_falls_back_when_the_lag_does_and_never_passes_the_ceiling() -> None:
-    shedder = Shedder(window=2, step_up=0.5, step_down=0.25, ceiling=0.9)
+    shedder = Shedder(window_s=0.02, rise_per_s=10.0, fall_per_s=5.0, ceiling=0.9)
     for _ in range(5):
         shedder.observe(1.0)
     assert shedder.share == 0.9
-    shedder.observe(0.0)
-    assert shedder.share == pytest.approx(0.65)
-    for _ in range(5):
+    shedder.observe(0.0)  # a timely tick of 10 ms
+    assert shedder.share == pytest.approx(0.85)
+    for _ in range(17):
         shedder.observe(0.0)
     assert shedder.share == 0.0
-    assert shedder.admits(0.0)
+    assert shedder.admits(0.0, 0.0)
+
+
+def test_while_shedding_a_request_read_with_the_next_tick_overdue_is_refused() -> None:
+    shedder = Shedder(target_s=0.010, share=0.5, due=1.0)
+    assert shedder.admits(0.9, 1.005)  # the tick is 5 ms overdue: within the target
+    assert not shedder.admits(0.9, 1.02)
+    assert shedder.behind_s(1.02) == pytest.approx(0.02)
 
 
 def test_a_gate_ignores_a_few_refusals_and_acts_on_a_run_of_them() -> None:
