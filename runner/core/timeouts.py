@@ -72,8 +72,11 @@ class Timeouts:
     """How often an API worker resolves a runner's `dns+tcp:` name again, to connect to
     processes that appeared and let go of those that left; a connection error resolves it
     again at once."""
-    keep_alive_s: float = 5.0
-    """How long an API worker keeps an idle HTTP connection open (uvicorn's keep-alive)."""
+    keep_alive_s: float = 75.0
+    """How long an API worker keeps an idle HTTP connection open (uvicorn's keep-alive).
+    Longer than the idle timeout of common load balancers and client pools (60 s): the side
+    that closes an idle connection first races a request sent on it, which then gets no
+    answer, so that side should be the client's, which knows whether it is about to send."""
     hello_timeout_s: float = 5.0
     """How long either end of a new runner connection waits for the other's handshake before
     closing it, so a silent or foreign peer holds nothing for long."""
