@@ -39,16 +39,20 @@ class Shedder:
     """The share of new requests to turn away, driven by the measured loop lag.
 
     It acts on a standing backlog, not on a busy moment: only once every tick of the last
-    `window_s` (100 ms) has been late by more than the target (a tenth of the tightest
-    runner's limit, and at least `Timeouts.LAG_FLOOR_S`: 10 ms is no backlog to a 30 s limit)
-    does the share climb, by `rise_per_s` of the time each late tick took (from nothing to half
-    the traffic in another 100 ms); on a timely tick it falls by `fall_per_s` of it (half a
-    second from half to nothing). Both count time, not ticks: a late tick takes longer, and a
-    controller that counted ticks would act slowest when the loop is furthest behind. A loop
-    that is busy in bursts but catches up between them, as under closed-loop clients whose
-    requests in flight are bounded, has timely ticks in every window and sheds nothing
-    (CoDel's rule for queues). Measured with 64 closed-loop clients on the bundled `mlp`: a
-    window of 30 ms shed 3 to 26 of about 35,000 requests in some 10 s runs; a backlog that
+    `window_s` (100 ms), and at least `ticks` of them in a row, has been late by more than the
+    target (a tenth of the tightest runner's limit, and at least `Timeouts.LAG_FLOOR_S`: 10 ms
+    is no backlog to a 30 s limit) does the share climb, by `rise_per_s` of the time each late
+    tick took (from nothing to half the traffic in another 100 ms). It counts time, not
+    ticks, because a late tick takes longer: counted in ticks, it would act slowest when the
+    loop is furthest behind. On a timely tick the share falls in proportion to how far under
+    the target the lag is (`fall_per_s` at no lag: a second from all to nothing), so it
+    settles where the loop keeps up instead of swinging between shedding much and nothing.
+
+    A loop that is busy in bursts but catches up between them, as under closed-loop clients
+    whose requests in flight are bounded, has timely ticks in every window and sheds nothing
+    (CoDel's rule for queues); so does a burst after a client's stall, whose backlog the loop
+    works off within a few ticks. Measured with 64 closed-loop clients on the bundled `mlp`:
+    a window of 30 ms shed 3 to 26 of about 35,000 requests in some 10 s runs; a backlog that
     overload builds lasts seconds, so waiting 100 ms to act on it costs little.
 
     While it sheds, it also turns away every request read while the loop's next tick is
@@ -58,6 +62,7 @@ class Shedder:
 
     target_s: float = 0.010
     window_s: float = 0.1
+    ticks: int = 5
     rise_per_s: float = 5.0
     fall_per_s: float = 1.0
     ceiling: float = 0.95
@@ -65,6 +70,7 @@ class Shedder:
     share: float = 0.0
     lag_s: float = 0.0
     late_s: float = 0.0  # how long every tick has been late, up to now
+    late_ticks: int = 0  # and how many ticks that was
     due: float = math.inf
 
     def observe(self, lag_s: float) -> None:
@@ -72,10 +78,11 @@ class Shedder:
         previous, self.lag_s = self.lag_s, lag_s
         if lag_s > self.target_s:
             self.late_s += took_s
-            if self.late_s >= self.window_s:
+            self.late_ticks += 1
+            if self.late_s >= self.window_s and self.late_ticks >= self.ticks:
                 self.share = min(self.ceiling, self.share + self.rise_per_s * took_s)
         else:  # the further under the target, the faster: at the target it holds
-            self.late_s = 0.0
+            self.late_s, self.late_ticks = 0.0, 0
             spare = (self.target_s - lag_s) / self.target_s
             self.share = max(0.0, self.share - self.fall_per_s * spare * took_s)
         if lag_s > self.drain_s and previous > self.drain_s:

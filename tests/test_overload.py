@@ -24,7 +24,7 @@ def anyio_backend() -> str:
 
 
 def test_only_a_standing_lag_sheds_and_a_busy_loop_that_catches_up_does_not() -> None:
-    shedder = Shedder(target_s=0.005, window_s=0.2, rise_per_s=1.0, fall_per_s=0.5)
+    shedder = Shedder(target_s=0.005, window_s=0.2, ticks=3, rise_per_s=1.0, fall_per_s=0.5)
     for lag in [0.050, 0.050, 0.050, 0.001] * 5:  # late in bursts, timely between them
         shedder.observe(lag)
     assert shedder.share == 0.0
@@ -39,13 +39,27 @@ def test_only_a_standing_lag_sheds_and_a_busy_loop_that_catches_up_does_not() ->
     assert not shedder.admits(0.53, 0.0) and shedder.admits(0.54, 0.0)
 
 
+def test_a_burst_the_loop_works_off_in_a_few_ticks_sheds_nothing() -> None:
+    shedder = Shedder(target_s=0.010, window_s=0.1, ticks=5)
+    for lag in [0.150, 0.080, 0.040, 0.020, 0.002]:  # a client's stall, then its backlog
+        shedder.observe(lag)
+    assert shedder.share == 0.0
+    for _ in range(5):  # a standing lag of as much
+        shedder.observe(0.040)
+    assert shedder.share == pytest.approx(5.0 * 0.05)
+
+
 def test_the_share_falls_back_when_the_lag_does_and_never_passes_the_ceiling() -> None:
-    shedder = Shedder(window_s=0.02, rise_per_s=10.0, fall_per_s=5.0, ceiling=0.9)
+    shedder = Shedder(window_s=0.02, ticks=1, rise_per_s=10.0, fall_per_s=5.0, ceiling=0.9)
     for _ in range(5):
         shedder.observe(1.0)
     assert shedder.share == 0.9
     shedder.observe(0.0)  # a timely tick of 10 ms
     assert shedder.share == pytest.approx(0.85)
+    shedder.observe(0.005)  # half the target: half as fast
+    assert shedder.share == pytest.approx(0.8125)
+    shedder.observe(0.010)  # at the target it holds
+    assert shedder.share == pytest.approx(0.8125)
     for _ in range(17):
         shedder.observe(0.0)
     assert shedder.share == 0.0
