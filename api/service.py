@@ -283,17 +283,16 @@ class Exchange:
         try:
             # The deadline runs from the whole request's arrival: its upload is the client's.
             arrived = time.monotonic()
+            limit = runner.batching.max_latency_ms / 1000
             rate = service.decode_rates[runner.name] if header_length is None else None
-            if rate is not None and rate.least_s(len(body)) > runner.batching.max_latency_ms / 1e3:
+            if rate is not None and (least_s := rate.least_s(len(body))) > limit:
                 raise admission.too_large_on_arrival(
-                    runner.name, len(body), rate.least_s(len(body)),
-                    runner.batching.max_latency_ms)
+                    runner.name, len(body), least_s, runner.batching.max_latency_ms)
             cpu = time.thread_time()
             call = self.call = protocol.decode_infer(
                 body, protocol.parse_header_length(header_length), runner)
             spent_s = time.thread_time() - cpu
             self._judge_decoding(call, len(body), spent_s, rate)
-            limit = runner.batching.max_latency_ms / 1000
             if call.timeout_s is not None:
                 limit = min(limit, call.timeout_s)
             self.sent = time.monotonic()
