@@ -228,6 +228,9 @@ class Connection(HttpToolsProtocol):
         if exchange.response_complete:
             return
         exchange.response_complete = True
+        # The service's exchange holds our `respond`: unlinked now, the pair goes when the
+        # request does, not at the collector's next pass (one cycle a request kept it busy).
+        exchange.request = None
         transport = self.transport
         if not exchange.disconnected and not transport.is_closing():
             keep_alive = exchange.keep_alive and headers.get("Connection") != "close"

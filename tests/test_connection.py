@@ -4,14 +4,17 @@ limits), and the other routes still go through uvicorn and Starlette."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import socket
+import weakref
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 import pytest
 
+from batchserve.api.connection import Connection, Exchange
 from tests.conftest import ROOT, Server, start_server
 
 ECHO = """
@@ -207,3 +210,41 @@ def test_a_client_that_leaves_mid_request_costs_nothing_else(
     with server.client() as client:
         text = client.get("/metrics").text
     assert 'batchserve_requests_total{code="200",runner="echo"}' in text
+
+
+class _Gone:
+    """A connection whose client left: answers are dropped, as on a real one."""
+
+    write_answer = Connection.write_answer
+
+    class transport:  # noqa: N801 - stands for the connection's transport
+        @staticmethod
+        def is_closing() -> bool:
+            return True
+
+    def on_response_complete(self) -> None:
+        pass
+
+
+class _Request:
+    """The service's side of an exchange: it holds the connection's `respond`."""
+
+    done = False
+
+
+def test_an_answered_request_is_freed_at_once_not_by_the_collector() -> None:
+    """The two sides of a request point at each other until it is answered; after that
+    nothing may hold them, or every request waits for a garbage collection to be freed."""
+    exchange = Exchange(_Gone(), keep_alive=True, expect_continue=False)  # type: ignore[arg-type]
+    service_side = _Request()
+    service_side.respond = exchange.respond  # type: ignore[attr-defined]
+    exchange.request = service_side  # type: ignore[assignment]
+    exchange.started = True
+    gone = weakref.ref(service_side)
+    gc.disable()
+    try:
+        service_side.respond(200, b"{}", {})  # type: ignore[attr-defined]
+        del service_side, exchange
+        assert gone() is None
+    finally:
+        gc.enable()
