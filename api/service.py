@@ -288,11 +288,17 @@ class Exchange:
             if rate is not None and (least_s := rate.least_s(len(body))) > limit:
                 raise admission.too_large_on_arrival(
                     runner.name, len(body), least_s, runner.batching.max_latency_ms)
-            cpu = time.thread_time()
+            # Only a large body's decoding is measured: a small one's is the fixed cost of any
+            # request, which the reserve covers (and reading a thread's CPU clock is a system
+            # call: two a request, for nothing).
+            large = len(body) >= admission.LEARN_BYTES
+            cpu = time.thread_time() if large else 0.0
             call = self.call = protocol.decode_infer(
                 body, protocol.parse_header_length(header_length), runner)
-            spent_s = time.thread_time() - cpu
-            self._judge_decoding(call, len(body), spent_s, rate)
+            spent_s = 0.0
+            if large:
+                spent_s = time.thread_time() - cpu
+                self._judge_decoding(call, len(body), spent_s, rate)
             if call.timeout_s is not None:
                 limit = min(limit, call.timeout_s)
             self.sent = time.monotonic()
@@ -305,28 +311,23 @@ class Exchange:
             # A runner answers by the call's deadline, or by its batch time limit once the
             # call is in a batch; the slack only bounds a runner process that hangs as a whole.
             wait_s = runner.batch_timeout_s + service.config.timeouts.call_slack_s
-            # Only a large body's decoding is told: a small one's is the fixed cost of any
-            # request, which the reserve covers, not a share of what its size needs.
-            told_s = spent_s if len(body) >= admission.LEARN_BYTES else 0.0
             service.pools[runner.name].submit(
                 call.inputs, call.rows, self.budget_s, call.group, wait_s, self.answered,
-                told_s)
+                spent_s)
             service.waiting[runner.name] += 1
         except Exception as exc:
             self.fail(exc)
 
     def _judge_decoding(self, call: protocol.InferRequest, size: int, spent_s: float,
                         rate: admission.DecodeRate | None) -> None:
-        """Learn the decoding rate of a JSON body; refuse a request whose decoding alone
-        took more CPU than the runner's limit (see `batchserve.api.admission`)."""
+        """Learn the decoding rate of a large JSON body; refuse a request whose decoding
+        alone took more CPU than the runner's limit (see `batchserve.api.admission`)."""
         runner = self.runner
         assert runner is not None
         if rate is not None:
             rate.observe(size, spent_s)
         limit_ms = runner.batching.max_latency_ms
-        # A small body's decoding is the fixed cost of any request (a garbage collection
-        # that ran in it, say), not what its size needs: only a large one's is judged.
-        if size >= admission.LEARN_BYTES and spent_s * 1000 > limit_ms:
+        if spent_s * 1000 > limit_ms:
             unit = "rows" if runner.layout == "rows" else "elements"
             raise admission.too_slow_to_decode(
                 runner.name, protocol.cost(call, runner), unit, spent_s, limit_ms,
