@@ -24,13 +24,15 @@ process that is down, went away or did not answer; `late` a request whose deadli
 before it was sent to a runner.
 
 Library code raises these; one handler, `error_response`, turns any exception into the
-JSON body `{"error": "..."}` and its headers, so every route answers errors the same way.
+JSON body `{"error": "..."}` and its headers, so every route answers errors the same way. A
+503's body also names its `reason` and the numbers behind it, as
+`{"error": "...", "reason": "shed", "lag_ms": 212.0}`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
 import orjson
@@ -137,15 +139,17 @@ class ModelTimeout(BatchserveError):
 
 
 class Unavailable(BatchserveError):
-    """A transient refusal: the client should retry after `retry_after` seconds."""
+    """A transient refusal: the client should retry after `retry_after` seconds. Its body
+    names `reason` and carries `details`, the numbers behind it, for clients to act on."""
 
     status = 503
 
-    def __init__(self, message: str, retry_after: float = 1.0, reason: str = "unreachable"
-                 ) -> None:
+    def __init__(self, message: str, retry_after: float = 1.0, reason: str = "unreachable",
+                 details: Mapping[str, float] | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
         self.reason = reason
+        self.details = dict(details or {})
 
 
 class RunnerUnavailable(Unavailable):
@@ -173,9 +177,10 @@ class SloRefused(Unavailable):
 class Overloaded(Unavailable):
     """Shed at the front; `why` says how the worker is behind (its `reason` is `shed`)."""
 
-    def __init__(self, why: str, retry_after: float = 1.0) -> None:
+    def __init__(self, why: str, retry_after: float = 1.0,
+                 details: Mapping[str, float] | None = None) -> None:
         super().__init__(f"the server is overloaded ({why}); retry later", retry_after,
-                         "shed")
+                         "shed", details)
 
 
 class Stopping(Unavailable):
@@ -194,11 +199,13 @@ def error_response(exc: BaseException) -> tuple[int, bytes, dict[str, str]]:
     if not isinstance(exc, BatchserveError):
         # Its text may hold internals (paths, reprs); the handler logs it, the client gets none.
         return 500, b'{"error":"internal server error"}', {"Content-Type": _JSON}
-    body = orjson.dumps({"error": exc.message})
     headers = {"Content-Type": _JSON}
     if isinstance(exc, Unavailable):
+        body = orjson.dumps({"error": exc.message, "reason": exc.reason, **exc.details})
         # HTTP wants whole seconds (RFC 9110 §10.2.3); round up so a short wait never says 0.
         headers["Retry-After"] = str(math.ceil(max(exc.retry_after, 0.0)))
+    else:
+        body = orjson.dumps({"error": exc.message})
     if isinstance(exc, MethodNotAllowed):
         headers["Allow"] = exc.allow
     if isinstance(exc, Stopping):

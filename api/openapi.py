@@ -151,7 +151,12 @@ def document(config: Config) -> dict[str, Any]:
         "paths": paths,
         "components": {"schemas": {
             "Error": {"type": "object", "required": ["error"],
-                      "properties": {"error": {"type": "string"}}},
+                      "properties": {"error": {"type": "string"},
+                                     # a 503's: why, and the numbers behind it
+                                     "reason": {"type": "string"},
+                                     "lag_ms": {"type": "number"},
+                                     "refused_share": {"type": "number"},
+                                     "inflight": {"type": "integer"}}},
             "Response": {"type": "object", "required": ["model_name", "outputs"],
                          "properties": {"model_name": {"type": "string"},
                                         "model_version": {"type": "string"},

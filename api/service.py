@@ -193,17 +193,20 @@ class Service:
         none there is no backlog to shed, so the first request after an overload is served
         whatever share the controllers still hold."""
         if self.inflight > self.config.api.max_inflight:
-            raise Overloaded(f"{self.inflight - 1} requests in flight in this API worker")
+            raise Overloaded(f"{self.inflight - 1} requests in flight in this API worker",
+                             details={"inflight": self.inflight - 1})
         if self.inflight == 1:  # this request alone
             return
         shedder = self.shedder
         if shedder.share and not shedder.admits(random.random(), now := time.monotonic()):
-            raise Overloaded(f"this API worker runs {shedder.behind_s(now) * 1000:.0f} ms behind")
+            lag_ms = round(shedder.behind_s(now) * 1000, 1)
+            raise Overloaded(f"this API worker runs {lag_ms:.0f} ms behind",
+                             details={"lag_ms": lag_ms})
         gate = self.gates[runner]
         if (gate.share and self.waiting[runner]
                 and not gate.admits(random.random(), time.monotonic())):
             raise Overloaded(f"runner {runner!r} refuses {100 * gate.share:.0f}% of what "
-                             "comes now")
+                             "comes now", details={"refused_share": round(gate.share, 3)})
 
     def observe(self, runner: str, status: int, started: float, reason: str) -> None:
         """Count one answer, and a 503 once more by its reason. A 200, and any answer while

@@ -225,6 +225,19 @@ def test_a_503_without_retry_after_is_raised() -> None:
         check_answer(503, {}, error("busy"), 10.0)
 
 
+def test_a_503_tells_the_reason_its_body_names() -> None:
+    body = orjson.dumps({"error": "busy", "reason": "shed", "lag_ms": 212.0})
+    with pytest.raises(ServerUnavailable) as info:
+        check_answer(503, {"Retry-After": "1"}, body, 0.5)
+    assert info.value.reason == "shed" and info.value.message == "busy"
+    with pytest.raises(ServerUnavailable) as plain:  # a server that names none
+        check_answer(503, {}, error("busy"), 10.0)
+    assert plain.value.reason is None
+    with pytest.raises(ServerUnavailable) as foreign:  # not JSON, or not an object
+        check_answer(503, {}, b"[1, 2]", 10.0)
+    assert foreign.value.reason is None and foreign.value.message == "[1, 2]"
+
+
 def test_other_errors_carry_the_servers_status_and_message() -> None:
     with pytest.raises(ServerError, match=exactly("the server answered 400: bad shape")) as info:
         check_answer(400, {}, error("bad shape"), 10.0)

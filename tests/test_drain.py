@@ -113,7 +113,8 @@ def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits_0(
     assert [answer.json()["outputs"][0]["data"] for answer in answers] == [[-1, 0, 0, 0]] * HELD
     assert [answer.status_code for answer in late] == [503] * LATE
     for answer in late:
-        assert answer.json() == {"error": "the server is stopping; retry shortly"}
+        assert answer.json() == {"error": "the server is stopping; retry shortly",
+                                 "reason": "stopping"}
         assert answer.headers["retry-after"] == "1"
         assert answer.headers["connection"] == "close"
     assert model_ready.status_code == 503

@@ -9,9 +9,11 @@ from batchserve.api.errors import (
     BadRequest,
     BatchserveError,
     ModelNotFound,
+    Overloaded,
     PayloadTooLarge,
     RunnerUnavailable,
     SloRefused,
+    Stopping,
     Unavailable,
     error_response,
 )
@@ -53,9 +55,28 @@ def test_status_and_message(error: BatchserveError, status: int, message: str) -
     assert str(error) == message
     got_status, body, headers = error_response(error)
     assert got_status == status
-    assert orjson.loads(body) == {"error": message}
+    expected = {"error": message}
+    if isinstance(error, Unavailable):
+        expected["reason"] = error.reason
+    assert orjson.loads(body) == expected
     assert headers["Content-Type"] == "application/json"
     assert ("Retry-After" in headers) is (status == 503)
+
+
+@pytest.mark.parametrize(
+    ("error", "reason", "details"),
+    [
+        (Overloaded("this API worker runs 212 ms behind", details={"lag_ms": 212.0}), "shed",
+         {"lag_ms": 212.0}),
+        (SloRefused("mlp"), "refused", {}),
+        (Stopping(), "stopping", {}),
+    ],
+)
+def test_a_503_body_names_its_reason_and_the_numbers_behind_it(
+    error: Unavailable, reason: str, details: dict[str, float]
+) -> None:
+    _, body, _ = error_response(error)
+    assert orjson.loads(body) == {"error": error.message, "reason": reason, **details}
 
 
 @pytest.mark.parametrize(("retry_after", "header"), [(1.0, "1"), (0.2, "1"), (2.5, "3"), (0, "0")])

@@ -158,11 +158,13 @@ async def test_a_shedding_worker_answers_503_with_retry_after_before_reading_the
         answer = await client.post("/v2/models/mlp/infer", json=body)
         unknown = await client.post("/v2/models/nope/infer", json=body)
     # With nothing else in flight there is no backlog: it goes on (to no runner, here).
-    assert alone.json() == {"error": "no process of runner 'mlp' is reachable"}
+    assert alone.json() == {"error": "no process of runner 'mlp' is reachable",
+                            "reason": "unreachable"}
     assert answer.status_code == 503
     assert answer.headers["retry-after"] == "1"
     assert answer.json() == {
-        "error": "the server is overloaded (this API worker runs 12 ms behind); retry later"
+        "error": "the server is overloaded (this API worker runs 12 ms behind); retry later",
+        "reason": "shed", "lag_ms": 12.3,
     }
     assert unknown.status_code == 404  # a wrong URL is still told what is wrong
     assert app.service.inflight == 1

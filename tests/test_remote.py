@@ -183,7 +183,8 @@ def test_a_front_without_the_token_is_refused_and_answers_503(
     wait_for(lambda: runner.logged(why), 30, "the runner to refuse the front")
     answer = infer(server)
     assert answer.status_code == 503
-    assert answer.json() == {"error": "no process of runner 'iris_clf' is reachable"}
+    assert answer.json() == {"error": "no process of runner 'iris_clf' is reachable",
+                             "reason": "unreachable"}
     with server.client() as client:
         assert client.get("/v2/health/ready").status_code == 503
         text = client.get("/metrics").text

@@ -80,11 +80,15 @@ class ServerError(Exception):
 
 
 class ServerUnavailable(ServerError):
-    """A 503 that was not retried: no `Retry-After`, or waiting would pass the deadline."""
+    """A 503 that was not retried: no `Retry-After`, or waiting would pass the deadline.
+    `reason` is why the server refused, as its body names it (batchserve's counts its 503s
+    under the same reasons), or None when it names none."""
 
-    def __init__(self, message: str, retry_after_s: float | None, note: str) -> None:
+    def __init__(self, message: str, retry_after_s: float | None, note: str,
+                 reason: str | None = None) -> None:
         super().__init__(503, message, note)
         self.retry_after_s = retry_after_s
+        self.reason = reason
 
 
 class DeadlineExceeded(TimeoutError):
@@ -433,16 +437,17 @@ def check_answer(
     deadline, the seconds to wait before trying again; any other error is raised."""
     if 200 <= status < 300:
         return None
-    message = _error_message(content)
+    message, reason = _error_body(content)
     if status != 503:
         raise ServerError(status, message)
     delay = retry_after(headers.get("Retry-After"))
     if delay is None:
-        raise ServerUnavailable(message, None, " (no Retry-After: not retried)")
+        raise ServerUnavailable(message, None, " (no Retry-After: not retried)", reason)
     if delay >= remaining_s:
         raise ServerUnavailable(
             message, delay,
             f" (retrying after {delay:g} s would pass the deadline, {remaining_s:.3g} s away)",
+            reason,
         )
     return delay
 
@@ -464,13 +469,18 @@ def retry_after(value: str | None, now: Callable[[], float] = time.time) -> floa
     return max(0.0, when.timestamp() - now())
 
 
-def _error_message(content: bytes) -> str:
-    """The server's `{"error": "..."}` text, or the body itself when it is something else."""
+def _error_body(content: bytes) -> tuple[str, str | None]:
+    """The server's `{"error": "...", "reason": "..."}` text and reason, or the body itself
+    (and no reason) when it is something else."""
     try:
-        error = orjson.loads(content).get("error")
-    except (orjson.JSONDecodeError, AttributeError):
-        error = None
+        document = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        document = None
+    if not isinstance(document, dict):
+        document = {}
+    error, reason = document.get("error"), document.get("reason")
+    reason = reason if isinstance(reason, str) else None
     if isinstance(error, str):
-        return error
+        return error, reason
     text = content[:300].decode("utf-8", "replace")
-    return text or "(empty body)"
+    return text or "(empty body)", reason
