@@ -373,6 +373,25 @@ def test_mean_batch_size_is_rows_over_batches_between_two_readings() -> None:
     assert probe.mean_batch_size(None, after, "mlp") is None
 
 
+REFUSALS = """
+# TYPE batchserve_unavailable_total counter
+batchserve_unavailable_total{{reason="shed",runner="mlp"}} {shed}
+batchserve_unavailable_total{{reason="refused",runner="mlp"}} {refused}
+batchserve_unavailable_total{{reason="shed",runner="other"}} 99.0
+"""
+
+
+def test_refusals_are_the_servers_503s_by_reason_between_two_readings() -> None:
+    before = Scrape.parse(REFUSALS.format(shed=10.0, refused=4.0))
+    after = Scrape.parse(REFUSALS.format(shed=25.0, refused=4.0))
+    assert probe.refusals(before, after, "mlp") == {"shed": 15}
+    assert probe.refusals(before, before, "mlp") == {}
+    assert probe.refusals(None, after, "mlp") is None  # a server without metrics
+    step = bench_report.Step("poisson", _report(Path()).steps[0].load, 2.0, {"shed": 15})
+    assert bench_report.markdown(bench_report.Report("u", "mlp", 1.0, "x", (step,))).splitlines(
+    )[4].endswith("| shed 15 |")
+
+
 def test_latency_limit_is_read_once_however_many_runner_processes_state_it() -> None:
     scrape = Scrape.parse(BATCHES.format(rows=0.0, batches=0.0))
     assert probe.latency_limit_ms(scrape, "mlp") == pytest.approx(250.0)
@@ -402,7 +421,7 @@ def test_markdown_has_a_row_per_rate(tmp_path: Path) -> None:
     assert lines[0] == "http://h model mlp: goodput counts 2xx answers within 100 ms (--limit-ms)."
     assert lines[2].startswith("| pattern | offered req/s | sent req/s | ok req/s | 2xx | 503 |")
     assert lines[4] == ("| poisson | 20.0 | 20.0 | 20.0 | 20 | 0 | 0 | 5.0 | 5.0 | 5.0 | - | - "
-                        "| 20.0 | 2.0 |")
+                        "| 20.0 | 2.0 | - |")
     assert len(lines) == 6
 
 
@@ -481,6 +500,7 @@ def test_a_sweep_reports_rates_statuses_goodput_and_batches(
         assert 0 < step["good"] <= scheduled
         assert 0 < step["goodput"] <= step["good"] / 1.5
         assert step["mean_batch_size"] >= 1.0
+        assert step["refusals_by_reason"] == {}  # batchserve counted no 503
         assert step["ok_p50_ms"] <= step["ok_p90_ms"] <= step["ok_p99_ms"]
     table = paths["md"].read_text()
     assert captured.out == table

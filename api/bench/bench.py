@@ -204,7 +204,8 @@ def _sweep(args: argparse.Namespace, base: str) -> Report:
             if bar is not None:
                 bar.close()
             after = _read_after(base)
-            steps.append(Step(args.pattern, load, probe.mean_batch_size(before, after, args.model)))
+            steps.append(Step(args.pattern, load, probe.mean_batch_size(before, after, args.model),
+                              probe.refusals(before, after, args.model)))
             before = after
     return Report(base, args.model, limit_ms, source, tuple(steps))
 

@@ -1,7 +1,8 @@
 """What `batchserve bench` reads from the server about itself, through its ``/metrics``.
 
 Two readings around a run give the runner's mean batch size over that run (the batch-size
-histogram's ``_sum`` and ``_count`` only grow); one reading gives the runner's configured
+histogram's ``_sum`` and ``_count`` only grow) and its 503s by the reason the server counted
+them under; one reading gives the runner's configured
 ``max_latency_ms``, the natural limit for goodput. A target that is not batchserve (no
 ``/metrics``, or something else there) is still benchmarked; only these figures go missing.
 """
@@ -14,6 +15,7 @@ from .scrape import Scrape, fetch
 
 BATCH_SIZE = "batchserve_adaptive_batch_size"
 LATENCY_LIMIT = "batchserve_runner_latency_limit_seconds"
+UNAVAILABLE = "batchserve_unavailable_total"
 
 
 class Unreachable(Exception):
@@ -53,3 +55,14 @@ def mean_batch_size(before: Scrape | None, after: Scrape | None, runner: str) ->
     batches = after.total(f"{BATCH_SIZE}_count", runner=runner)
     batches -= before.total(f"{BATCH_SIZE}_count", runner=runner)
     return rows / batches if batches > 0 else None
+
+
+def refusals(before: Scrape | None, after: Scrape | None, runner: str) -> dict[str, int] | None:
+    """The runner's 503s between two readings by reason (the reason each 503's body names);
+    None without metrics."""
+    if before is None or after is None:
+        return None
+    then = before.by_label(UNAVAILABLE, "reason", runner=runner)
+    now = after.by_label(UNAVAILABLE, "reason", runner=runner)
+    counts = {reason: round(count - then.get(reason, 0.0)) for reason, count in now.items()}
+    return {reason: count for reason, count in sorted(counts.items()) if count > 0}

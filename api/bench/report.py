@@ -2,8 +2,8 @@
 
 One :class:`Step` per rate of the sweep: what the client measured (a
 :class:`~batchserve.api.bench.load_result.LoadResult`) and what the server said it did (its mean
-batch size). The table keeps the columns a user compares across rates; the JSON keeps
-everything.
+batch size, its 503s by reason). The table keeps the columns a user compares across rates; the
+JSON keeps everything.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ class Step:
     pattern: str
     load: LoadResult
     mean_batch_size: float | None
+    refusals: dict[str, int] | None = None
+    """The server's 503s over the step by reason; None when its metrics do not say."""
 
     def as_dict(self) -> dict[str, object]:
         return {"pattern": self.pattern, "mean_batch_size": self.mean_batch_size,
-                **self.load.as_dict()}
+                "refusals_by_reason": self.refusals, **self.load.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class Report:
 COLUMNS = (
     "pattern", "offered req/s", "sent req/s", "ok req/s", "2xx", "503", "other",
     "p50 ms", "p90 ms", "p99 ms", "503 p50 ms", "503 p99 ms", "goodput req/s", "mean batch",
+    "503 by reason",
 )
 
 
@@ -80,7 +83,14 @@ def _row(step: Step) -> tuple[str, ...]:
         f"{load.achieved_rate:.1f}", str(load.ok), str(refused), str(load.sent - load.ok - refused),
         _ms(load.ok_p50_ms), _ms(load.ok_p90_ms), _ms(load.ok_p99_ms),
         _ms(load.refused_p50_ms), _ms(load.refused_p99_ms), f"{load.goodput:.1f}", batch,
+        _reasons(step.refusals),
     )
+
+
+def _reasons(refusals: dict[str, int] | None) -> str:
+    if refusals is None:
+        return "-"
+    return ", ".join(f"{reason} {count}" for reason, count in refusals.items()) or "none"
 
 
 def markdown(report: Report) -> str:
