@@ -164,12 +164,17 @@ class RunnerUnavailable(Unavailable):
 
 
 class SloRefused(Unavailable):
-    def __init__(self, runner: str, retry_after: float = 1.0) -> None:
+    """The runner refused at arrival; `details` holds what it judged on, when it says: the
+    predicted finish and the deadline (ms after the request reached it), the rows ahead."""
+
+    def __init__(self, runner: str, retry_after: float = 1.0,
+                 details: Mapping[str, float] | None = None) -> None:
         super().__init__(
             f"runner {runner!r} refused the request: it cannot be answered within the "
             "runner's latency limit; retry later",
             retry_after,
             "refused",
+            details,
         )
         self.runner = runner
 

@@ -32,7 +32,7 @@ from ..runner.core.config import Config, RunnerConfig
 from ..runner.core.security import Credentials
 from ..runner.core.timeouts import Timeouts
 from ..runner.core.types import Tensors
-from ..runner.core.wire import Address, FailureCode
+from ..runner.core.wire import Address, Failure, FailureCode
 from ..runner.metrics import SECONDS_BUCKETS, Count, Tally
 from . import admission, protocol
 from .dispatch import NO_KEYS, Pool, RunnerFailure
@@ -102,7 +102,7 @@ def _failure_error(runner: str, failure: RunnerFailure) -> BatchserveError:
     if detail.code == FailureCode.INVALID:
         return BadRequest(detail.message)
     if detail.code == FailureCode.REFUSED:
-        return SloRefused(runner, retry)
+        return SloRefused(runner, retry, _judged(detail))
     if detail.code == FailureCode.EXPIRED:
         return Unavailable(detail.message, retry, "expired")
     if detail.code == FailureCode.STOPPING:
@@ -112,6 +112,16 @@ def _failure_error(runner: str, failure: RunnerFailure) -> BatchserveError:
     if detail.code == FailureCode.TOO_LARGE:
         return TooManyRows(detail.message)
     return BatchserveError(detail.message)
+
+
+def _judged(failure: Failure) -> dict[str, float]:
+    """What a runner's refusal was judged on, for its 503 body (nothing when it does not say:
+    a policy without a latency model)."""
+    if failure.predicted_s <= 0.0:
+        return {}
+    return {"predicted_ms": round(failure.predicted_s * 1000, 1),
+            "deadline_ms": round(failure.deadline_s * 1000, 1),
+            "rows_ahead": failure.rows_ahead}
 
 
 class Service:

@@ -56,11 +56,15 @@ republished once they show it."""
 
 @dataclass(frozen=True, slots=True)
 class Rejection:
-    """A request answered without tensors, and why."""
+    """A request answered without tensors, and why; a refusal also says what it was judged on
+    (see `wire.Failure`)."""
 
     code: FailureCode
     message: str
     retry_after_s: float = 0.0
+    predicted_s: float = 0.0
+    deadline_s: float = 0.0
+    rows_ahead: int = 0
 
 
 Reply = Callable[[Tensors | Rejection], None]
@@ -353,10 +357,12 @@ class Dispatcher:
         self._jobs[ident] = job
         if not self.policy.offer(Request(ident, rows, now, deadline, group, assured), now):
             retry = max(self.max_latency_s, Timeouts.RETRY_FLOOR_S)
+            why = self.policy.refusal()
+            predicted_s, ahead = (why.predicted_finish - now, why.rows_ahead) if why else (0.0, 0)
             self._answer(ident, Rejection(
                 FailureCode.REFUSED,
                 f"runner {self.runner.name!r} cannot answer within its deadline now",
-                retry,
+                retry, predicted_s, deadline - now, ahead,
             ))
             return
         self._idle.clear()

@@ -171,7 +171,8 @@ class Connection(asyncio.BufferedProtocol):
 
     def _reply(self, ident: int, result: Tensors | Rejection) -> None:
         if isinstance(result, Rejection):
-            self._send(Failure(ident, result.code, result.message, result.retry_after_s))
+            self._send(Failure(ident, result.code, result.message, result.retry_after_s,
+                               result.predicted_s, result.deadline_s, result.rows_ahead))
         else:
             self._send(Result(ident, result))
 

@@ -18,7 +18,7 @@ from batchserve.runner.dispatcher import Dispatcher, Rejection
 from batchserve.runner.metrics import RunnerMetrics
 from batchserve.runner.models import Model
 from batchserve.runner.policy.adaptive import AdaptivePolicy
-from batchserve.runner.policy.base import GreedyPolicy, Policy, Request
+from batchserve.runner.policy.base import GreedyPolicy, Policy, Refusal, Request
 
 pytestmark = pytest.mark.anyio
 
@@ -180,7 +180,11 @@ async def test_a_request_whose_deadline_passes_in_the_queue_is_expired_unrun(
 
 class Refuser(GreedyPolicy):
     def offer(self, request: Request, now: float) -> bool:
+        self.why = Refusal(now + 0.5, 7)
         return False
+
+    def refusal(self) -> Refusal | None:
+        return self.why
 
 
 async def test_a_refused_request_is_answered_at_once_with_a_retry_hint() -> None:
@@ -190,6 +194,9 @@ async def test_a_refused_request_is_answered_at_once_with_a_retry_hint() -> None
     answer = await ask(d, rows(1))
     assert isinstance(answer, Rejection) and answer.code == FailureCode.REFUSED
     assert answer.retry_after_s > 0 and gate.batches == []
+    # What the policy judged on, relative to the arrival: its predicted end, the deadline.
+    assert answer.predicted_s == pytest.approx(0.5) and answer.rows_ahead == 7
+    assert 0 < answer.deadline_s <= d.max_latency_s
 
 
 async def test_a_refused_request_counts_once_however_many_pieces_it_was_cut_into() -> None:

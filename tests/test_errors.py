@@ -69,6 +69,8 @@ def test_status_and_message(error: BatchserveError, status: int, message: str) -
         (Overloaded("this API worker runs 212 ms behind", details={"lag_ms": 212.0}), "shed",
          {"lag_ms": 212.0}),
         (SloRefused("mlp"), "refused", {}),
+        (SloRefused("mlp", 1.0, {"predicted_ms": 142.0, "deadline_ms": 100.0, "rows_ahead": 180}),
+         "refused", {"predicted_ms": 142.0, "deadline_ms": 100.0, "rows_ahead": 180}),
         (Stopping(), "stopping", {}),
     ],
 )

@@ -54,6 +54,9 @@ def test_refuses_at_arrival_when_the_queue_ahead_makes_it_late() -> None:
     assert not policy.offer(request(4, 0.03), 0.03)  # a third batch: 0.135 > 0.13
     assert policy.refused == 1
     assert policy.stats(0.03).queued == 2
+    why = policy.refusal()  # what it was judged on: the third batch's end, and who is ahead
+    assert why is not None and why.predicted_finish > request(4, 0.03).deadline
+    assert why.rows_ahead == 3  # two queued, one running
 
 
 def test_an_assured_piece_is_admitted_where_the_queue_would_refuse_it() -> None:

@@ -71,6 +71,8 @@ def test_non_contiguous_arrays_are_sent_in_row_major_order() -> None:
 def test_failures_and_pings_round_trip() -> None:
     failure = Failure(9, FailureCode.REFUSED, "too late: ünïcode", 0.5)
     assert round_trip(failure) == failure
+    judged = Failure(9, FailureCode.REFUSED, "too late", 0.5, 0.142, 0.1, 180)
+    assert round_trip(judged) == judged
     assert round_trip(Ping(3)) == Ping(3)
     assert round_trip(Pong(4)) == Pong(4)
 

@@ -11,7 +11,8 @@ names a unix socket or a TCP endpoint (optionally under TLS) on another host.
                | (u16 length | utf-8)[groups]
                | tensor*                                         (API -> runner)
     Result  := u16 count | tensor*                                  (runner -> API)
-    Failure := u8 code | f64 retry_after_s | utf-8 text             (runner -> API)
+    Failure := u8 code | f64 retry_after_s | f64 predicted_s | f64 deadline_s
+               | u32 rows_ahead | utf-8 text                       (runner -> API)
     Started := u32 count | u64 call_ids[count]                      (runner -> API; id 0)
     Ping, Pong := (empty)
     Hello   := u16 version | u32 max_batch_size | u8 name_len | name | nonce[32]
@@ -52,15 +53,16 @@ _HEAD = struct.Struct("<BQ")
 _CALL = struct.Struct("<ddIHB")
 _GROUP_VALUE = struct.Struct("<H")
 _COUNT = struct.Struct("<H")
-_FAILURE = struct.Struct("<Bd")
+_FAILURE = struct.Struct("<BdddI")
 _STARTED = struct.Struct("<I")
 _SIZE = struct.Struct("<Q")
 _ELEMENT = struct.Struct("<I")
 _HELLO = struct.Struct("<HI")
 _VERSION = struct.Struct("<H")
 NONCE_BYTES = 32
-# 2: the Call frame carries its row count; 3: and its group; 4: and its spent time
-PROTOCOL_VERSION = 4
+# 2: the Call frame carries its row count; 3: and its group; 4: and its spent time;
+# 5: a Failure carries the prediction a refusal was made on
+PROTOCOL_VERSION = 5
 _DTYPES = list(DATATYPES.values())
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 MAX_FRAME = 1 << 31
@@ -124,10 +126,17 @@ class Result:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
+    """A call answered without tensors. A refusal (REFUSED) also says what it was judged on:
+    when the call was predicted to finish and its deadline, both in seconds after it reached
+    the runner, and the rows ahead of it; zero otherwise."""
+
     id: int
     code: FailureCode
     message: str
     retry_after_s: float = 0.0
+    predicted_s: float = 0.0
+    deadline_s: float = 0.0
+    rows_ahead: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +270,8 @@ def _plain_head(message: Message) -> bytes:
     """The whole body of a message that carries no tensors."""
     if isinstance(message, Failure):
         return _HEAD.pack(Kind.FAILURE, message.id) + _FAILURE.pack(
-            message.code, message.retry_after_s) + message.message.encode()
+            message.code, message.retry_after_s, message.predicted_s, message.deadline_s,
+            message.rows_ahead) + message.message.encode()
     if isinstance(message, Started):
         calls = message.calls
         return _HEAD.pack(Kind.STARTED, message.id) + struct.pack(
@@ -416,9 +426,9 @@ def decode(body: bytearray) -> Message:
             (count,) = _COUNT.unpack_from(body, offset)
             return Result(ident, _read_tensors(body, offset + _COUNT.size, count))
         if kind == Kind.FAILURE:
-            code, retry = _FAILURE.unpack_from(body, offset)
+            code, retry, predicted, deadline, ahead = _FAILURE.unpack_from(body, offset)
             text = bytes(body[offset + _FAILURE.size :]).decode(errors="replace")
-            return Failure(ident, FailureCode(code), text, retry)
+            return Failure(ident, FailureCode(code), text, retry, predicted, deadline, ahead)
         if kind == Kind.STARTED:
             (count,) = _STARTED.unpack_from(body, offset)
             calls = struct.unpack_from(f"<{count}Q", body, offset + _STARTED.size)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from .base import Batch, PolicyStats, Reason, Request, Step
+from .base import Batch, PolicyStats, Reason, Refusal, Request, Step
 from .latency_model import Fit, LatencyModel, RecentQuantile, Timing, fit_samples
 from .state import Costs, Limits, Rates, Refits, Running, Waiting
 from .tuning import DEFAULT_TUNING, Tuning
@@ -69,6 +69,7 @@ class AdaptivePolicy:
         self._gaps = RecentQuantile(
             window=tuning.gap_window, every=tuning.gap_every, quantile=tuning.gap_quantile
         )
+        self._refusal: Refusal | None = None
         self._use(Fit())
 
     # --- the contract ---------------------------------------------------------------------
@@ -183,15 +184,26 @@ class AdaptivePolicy:
         request of a few pieces, refused on the reserve of its later ones, would be refused
         at every try on an idle model.
         """
-        if self._busy.batch is None and not self._waiting.requests:
-            self._waiting.probe = request.id
-            return now + self._costs.fit.cost(request.rows) <= request.deadline
+        busy, waiting = self._busy, self._waiting
+        if busy.batch is None and not waiting.requests:
+            waiting.probe = request.id
+            finish = now + self._costs.fit.cost(request.rows)
+            if finish <= request.deadline:
+                return True
+            self._refusal = Refusal(finish, 0)
+            return False
         if request.assured:  # the rest of a request cut into pieces that the rule above took
             return True
         deadline = request.deadline
-        if self.promised_finish(request.rows, now, request.group, deadline) <= deadline:
+        finish = self.promised_finish(request.rows, now, request.group, deadline)
+        if finish <= deadline or self._stretch_next(request, now):
             return True
-        return self._stretch_next(request, now)
+        running = busy.batch.rows if busy.batch is not None else 0
+        self._refusal = Refusal(finish, waiting.rows + running)
+        return False
+
+    def refusal(self) -> Refusal | None:
+        return self._refusal
 
     def promised_finish(
         self, rows: int, now: float, group: tuple[str, ...] = (), deadline: float = math.inf

@@ -75,6 +75,15 @@ class Step:
 
 
 @dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a policy refused a request, as it predicted: when the request would have finished
+    (on the clock, at the high quantile) and how many rows were ahead of it."""
+
+    predicted_finish: float
+    rows_ahead: int
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyStats:
     window_s: float
     cap: int
@@ -127,6 +136,10 @@ class Policy(Protocol):
         (0 for a policy without a latency model): what a request needs at the very least."""
         ...
 
+    def refusal(self) -> Refusal | None:
+        """Why the last refused `offer` was refused (None for a policy that cannot say)."""
+        ...
+
 
 def take_in_order(queue: deque[Request], cap: int) -> tuple[tuple[Request, ...], int]:
     """Pop the oldest request's group in arrival order while it fits `cap` rows (always at
@@ -165,6 +178,9 @@ class WithoutModel:
 
     def idle_time_s(self, rows: int) -> float:
         return 0.0
+
+    def refusal(self) -> Refusal | None:
+        return None
 
 
 class GreedyPolicy(WithoutModel):
