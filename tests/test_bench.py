@@ -388,8 +388,8 @@ def test_refusals_are_the_servers_503s_by_reason_between_two_readings() -> None:
     assert probe.refusals(before, before, "mlp") == {}
     assert probe.refusals(None, after, "mlp") is None  # a server without metrics
     step = bench_report.Step("poisson", _report(Path()).steps[0].load, 2.0, {"shed": 15})
-    assert bench_report.markdown(bench_report.Report("u", "mlp", 1.0, "x", (step,))).splitlines(
-    )[4].endswith("| shed 15 |")
+    table = bench_report.markdown(bench_report.Report("u", "mlp", 1.0, "x", (step,)))
+    assert table.splitlines()[4].endswith("| shed 15 |")
 
 
 def test_latency_limit_is_read_once_however_many_runner_processes_state_it() -> None:

@@ -10,6 +10,7 @@ import shutil
 import socket
 import weakref
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import pytest
@@ -216,11 +217,7 @@ class _Gone:
     """A connection whose client left: answers are dropped, as on a real one."""
 
     write_answer = Connection.write_answer
-
-    class transport:  # noqa: N801 - stands for the connection's transport
-        @staticmethod
-        def is_closing() -> bool:
-            return True
+    transport = SimpleNamespace(is_closing=lambda: True)
 
     def on_response_complete(self) -> None:
         pass
