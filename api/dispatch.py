@@ -398,6 +398,7 @@ class Pool:
     ) -> None:
         self.runner = runner
         self.changed = changed  # told when a process connects, drops, comes or goes
+        self.front_s = 0.0  # what this API worker spends per request lately: every call says
         self.choose = CHOOSERS[choice]
         self.rng = rng or random.Random()
         self.timeouts = timeouts
@@ -531,7 +532,8 @@ class _Sent:
         link.send(self.build, self.answer, self.sent + self.budget_s + self.wait_s)
 
     def build(self, ident: int) -> Call:
-        return Call(ident, self.budget_s, self.rows, self.tensors, self.group, self.spent_s)
+        return Call(ident, self.budget_s, self.rows, self.tensors, self.group, self.spent_s,
+                    self.pool.front_s)
 
     def answer(self, outcome: Message | Exception) -> None:
         if isinstance(outcome, Result):

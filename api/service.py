@@ -83,6 +83,26 @@ processes_configured = Gauge(
 )
 
 
+class FrontCost:
+    """This worker's CPU seconds per inference request answered, over the span since the
+    last reading that saw enough requests to say (the worker's whole CPU: HTTP, decoding,
+    dispatch, answers, and whatever else it does meanwhile)."""
+
+    MIN_REQUESTS = 50
+
+    def __init__(self, cpu_clock: Callable[[], float] = time.process_time) -> None:
+        self._cpu_clock = cpu_clock
+        self._cpu, self._answered = cpu_clock(), 0
+
+    def measure(self, answered: int) -> float | None:
+        if answered - self._answered < self.MIN_REQUESTS:
+            return None
+        cpu = self._cpu_clock()
+        cost = (cpu - self._cpu) / (answered - self._answered)
+        self._cpu, self._answered = cpu, answered
+        return cost
+
+
 def infer_target(path: str) -> tuple[str, str | None] | None:
     """The model and version of `/v2/models/{name}[/versions/{version}]/infer`, else None."""
     parts = path.split("/")
@@ -139,6 +159,8 @@ class Service:
         tightest_s = min(r.batching.max_latency_ms for r in config.runners.values()) / 1000
         self.shedder = Shedder(target_s=max(Timeouts.LAG_FLOOR_S, tightest_s / 10))
         self.inflight = 0  # requests accepted and not yet answered
+        self.answered = 0  # inference requests answered, ever
+        self._front = FrontCost()
         self.stopping = False
         self.arrived = asyncio.Event()  # set by every request: wakes the lag watch from idle
         self.waiting = dict.fromkeys(config.runners, 0)  # calls out to each runner
@@ -155,8 +177,13 @@ class Service:
 
     def publish(self) -> None:
         """This worker's live gauges (calls in flight, runner processes connected), and the
-        answers tallied since the last flush."""
+        answers tallied since the last flush; what a request costs this worker lately, for
+        the runners' capacity."""
         self.flush()
+        front_s = self._front.measure(self.answered)
+        if front_s is not None:
+            for pool in self.pools.values():
+                pool.front_s = front_s
         for name, pool in self.pools.items():
             inflight_requests.labels(name).set(self.waiting[name])
             processes_connected.labels(name).set(sum(link.connected for link in pool.links))
@@ -377,6 +404,7 @@ class Exchange:
             return
         self.done = True
         service = self.service
+        service.answered += 1
         if self.counted:
             service.inflight -= 1
         try:

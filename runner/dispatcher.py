@@ -276,12 +276,15 @@ class Dispatcher:
         started: Started | None = None,
         group: tuple[str, ...] = (),
         spent_s: float = 0.0,
+        front_s: float = 0.0,
     ) -> None:
         """Queue one request of `rows` rows, checked against the signature already (one row
         for ragged or pad inputs); `reply` is called exactly once, on the event loop, and
         `started` whenever a batch holding it (or a piece of it) goes to the model. `group`
         holds its values of the runner's `group_by` parameters, as JSON texts; `spent_s` what
-        it cost before it came (its decoding), which counts against the limit as well."""
+        it cost before it came (its decoding), which counts against the limit as well;
+        `front_s` what its API worker spends per request lately, for the capacity gauge."""
+        self.metrics.load.offer(front_s)
         try:
             options = self._group_options(group)
         except ValueError as problem:

@@ -14,6 +14,7 @@ histogram, one observation per batch run).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from bisect import bisect_left
@@ -24,7 +25,9 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from .core.timeouts import Timeouts
+from .load import LoadMeter
 from .policy.base import Batch, PolicyStats
+from .policy.capacity import capacity
 
 
 def registry() -> CollectorRegistry:
@@ -156,7 +159,22 @@ gauges = {
     field: Gauge(name, text, ["runner"], multiprocess_mode="liveall")
     for field, (name, text) in _GAUGES.items()
 }
+capacity_rate = Gauge(
+    "batchserve_capacity_requests_per_second",
+    "Requests a second this runner process can take within its latency limit, as the server "
+    "runs now: its latency model, its own and its API workers' CPU per request, the cores "
+    "left idle (0 before it is known)",
+    ["runner"], multiprocess_mode="liveall",
+)
+utilization = Gauge(
+    "batchserve_utilization",
+    "Arrivals over capacity: above 1 the runner refuses what it cannot serve in time",
+    ["runner"], multiprocess_mode="liveall",
+)
 
+
+CAPACITY_SMOOTHING_S = 5.0
+"""The capacity gauge averages its readings over about this long."""
 
 BATCH_LOG_ENV = "BATCHSERVE_BATCH_LOG"
 BATCH_LOG_HEADER = "rows,wall_s,cpu_s\n"
@@ -186,8 +204,15 @@ class RunnerMetrics:
     dispatcher falls idle, so a scrape after the last answer reads every request of it.
     """
 
-    def __init__(self, runner: str, latency_limit_s: float = 0.0) -> None:
+    def __init__(self, runner: str, latency_limit_s: float = 0.0, max_batch: int = 1,
+                 processes: int = 1, load: LoadMeter | None = None) -> None:
         self.runner = runner
+        self.latency_limit_s, self.max_batch = latency_limit_s, max_batch
+        self.load = LoadMeter(processes) if load is None else load
+        self.capacity_rps = 0.0
+        self._capacity = capacity_rate.labels(runner)
+        self._utilization = utilization.labels(runner)
+        self._measured = time.monotonic()
         starts.labels(runner).inc()
         latency_limit.labels(runner).set(latency_limit_s)
         # Every reason's series exists from the start, so a rate over it reads 0, not nothing.
@@ -214,6 +239,7 @@ class RunnerMetrics:
         self._batch_size.observe(batch.rows if rows is None else rows)
         self._duration.observe(finished - started)
         self._cpu.observe(cpu_s)
+        self.load.batch(len(batch.requests), batch.rows, cpu_s)
         if batch.predicted_s > 0.0:
             self._ratio.observe((finished - started) / batch.predicted_s)
         count = self._batches.get(batch.reason)
@@ -232,6 +258,21 @@ class RunnerMetrics:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def _measure(self, stats: PolicyStats) -> None:
+        """The capacity, from the latency model and what the span since the last reading
+        cost per request (kept as it was when the span saw too few requests)."""
+        load = self.load.read()
+        if load is None or stats.fit is None:
+            return
+        now = time.monotonic()
+        measured = capacity(stats.fit, self.latency_limit_s, self.max_batch, load)
+        # One span is a second or so of a noisy machine: averaged over the last several.
+        weight = 1.0 - math.exp(-(now - self._measured) / CAPACITY_SMOOTHING_S)
+        self._measured = now
+        self.capacity_rps = measured if self.capacity_rps == 0.0 else (
+            self.capacity_rps + weight * (measured - self.capacity_rps))
+        self._capacity.set(self.capacity_rps)
 
     def rejected(self, reason: str) -> None:
         """One whole request answered 503 by the runner, for `reason`."""
@@ -257,5 +298,9 @@ class RunnerMetrics:
         self.flush()
         for field, gauge in self._gauges.items():
             gauge.set(getattr(stats, field))
+        if now - self._measured >= Timeouts.PUBLISH_S:
+            self._measure(stats)
+        rate = self.capacity_rps
+        self._utilization.set(stats.arrival_rps / rate if rate > 0.0 else 0.0)
         if force and self._log is not None:
             self._log.flush()

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import ipaddress
 import logging
 import os
 import signal
@@ -80,11 +81,13 @@ class Connection(asyncio.BufferedProtocol):
         self.heard = time.monotonic()
         self._overdue: asyncio.TimerHandle | None = None
         self._starting: list[int] = []
+        self.local = True  # the API worker runs on this machine: its CPU is on these cores
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.outbox = Outbox(self.transport, self._take_started)  # type: ignore[arg-type]
         self.live.add(self)
+        self.local = _local(transport.get_extra_info("peername"))
         tune(transport, self.timeouts.link_idle_s)
         self.greeting = opening(self.runner.name, self.runner.batching.max_batch_size)
         self.transport.writelines(encode(self.greeting))  # type: ignore[union-attr]
@@ -139,7 +142,8 @@ class Connection(asyncio.BufferedProtocol):
             reply = functools.partial(self._reply, message.id)
             started = functools.partial(self._started, message.id)
             self.dispatcher.submit(message.tensors, message.rows, message.budget_s, reply, started,
-                                   message.group, message.spent_s)
+                                   message.group, message.spent_s,
+                                   message.front_s if self.local else 0.0)
         elif isinstance(message, Ping):
             self._send(Pong(message.id))
         else:
@@ -192,6 +196,16 @@ class Connection(asyncio.BufferedProtocol):
             self.outbox.put(message)
 
 
+def _local(peer: object) -> bool:
+    """Whether a connection comes from this machine (a unix socket or a loopback address)."""
+    if not isinstance(peer, tuple):
+        return True
+    try:
+        return ipaddress.ip_address(peer[0]).is_loopback
+    except ValueError:
+        return False
+
+
 def build_policy(runner: RunnerConfig) -> Policy:
     """The adaptive policy when batching is on; one request at a time when it is off."""
     batching = runner.batching
@@ -214,7 +228,8 @@ async def serve(config: Config, runner: RunnerConfig, address: Address,
     keys.check(address)
     tls = keys.server_context(address)
     # Counted before the model loads, so a runner that dies loading still shows a restart loop.
-    metrics = RunnerMetrics(runner.name, runner.batching.max_latency_ms / 1000)
+    metrics = RunnerMetrics(runner.name, runner.batching.max_latency_ms / 1000,
+                            runner.max_cost, runner.workers)
     model = models.load(config, runner)
     dispatcher = Dispatcher(runner, model, build_policy(runner), metrics)
     await dispatcher.start()

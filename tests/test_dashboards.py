@@ -38,6 +38,8 @@ GAUGES = {
     "batchserve_queue_depth",
     "batchserve_latency_model_stretch",
     "batchserve_dispatcher_gap_seconds",
+    "batchserve_capacity_requests_per_second",
+    "batchserve_utilization",
     "batchserve_runner_latency_limit_seconds",
     "batchserve_inflight_requests",
     "batchserve_runner_processes_connected",

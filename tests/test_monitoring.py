@@ -99,6 +99,11 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     return sum(value for (n, have), value in samples.items() if n == name and want <= have)
 
 
+def values(samples: Samples, name: str) -> list[float]:
+    """Each process's value of gauge `name` (its runner's label and the process's)."""
+    return [value for (n, _), value in samples.items() if n == name]
+
+
 def batch_log(folder: Path) -> tuple[int, int]:
     """Batches and rows in every runner process's batch log, the dead one's included."""
     lines = [line for path in folder.glob("*.csv") for line in path.read_text().splitlines()[1:]]
@@ -184,6 +189,12 @@ def test_gauges_are_true_at_scrape_time_and_the_page_passes_promtool(
     try:
         wait_for(lambda: total(scrape(server), "batchserve_arrival_rate") > 10, 15,
                  "the arrival rate to show traffic")
+        # Each runner process reads its capacity once a second of traffic has been costed.
+        wait_for(lambda: all(v > 0 for v in values(scrape(server), "batchserve_utilization")),
+                 15, "each runner process's utilization to show its capacity")
+        loaded = scrape(server)
+        capacities = values(loaded, "batchserve_capacity_requests_per_second")
+        assert len(capacities) == 2 and all(c > 0 for c in capacities), capacities
     finally:
         busy.set()
         loader.join(30)

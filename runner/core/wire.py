@@ -7,7 +7,7 @@ names a unix socket or a TCP endpoint (optionally under TLS) on another host.
 
     frame   := u32 body_length | body
     body    := u8 kind | u64 id | payload
-    Call    := f64 budget_s | f64 spent_s | u32 rows | u16 count | u8 groups
+    Call    := f64 budget_s | f64 spent_s | f64 front_s | u32 rows | u16 count | u8 groups
                | (u16 length | utf-8)[groups]
                | tensor*                                         (API -> runner)
     Result  := u16 count | tensor*                                  (runner -> API)
@@ -50,7 +50,7 @@ from .types import BYTES, DATATYPES, Tensors
 
 _LENGTH = struct.Struct("<I")
 _HEAD = struct.Struct("<BQ")
-_CALL = struct.Struct("<ddIHB")
+_CALL = struct.Struct("<dddIHB")
 _GROUP_VALUE = struct.Struct("<H")
 _COUNT = struct.Struct("<H")
 _FAILURE = struct.Struct("<BdddI")
@@ -62,7 +62,7 @@ _VERSION = struct.Struct("<H")
 NONCE_BYTES = 32
 # 2: the Call frame carries its row count; 3: and its group; 4: and its spent time;
 # 5: a Failure carries the prediction a refusal was made on
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 _DTYPES = list(DATATYPES.values())
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 MAX_FRAME = 1 << 31
@@ -116,6 +116,9 @@ class Call:
     spent_s: float = 0.0
     """What the request cost before it was sent (the API's CPU time decoding it), which it
     costs again however often it is sent: part of what must fit the latency limit."""
+    front_s: float = 0.0
+    """What its API worker spends on a request lately, in CPU seconds (decoding, dispatch,
+    the answer): what the runner's capacity must count beside its own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +253,7 @@ def encode(message: Message) -> Chunks:
     out: Chunks = [b""]  # replaced by the length prefix and head
     if isinstance(message, Call):
         head = _HEAD.pack(Kind.CALL, message.id) + _CALL.pack(
-            message.budget_s, message.spent_s, message.rows, len(message.tensors),
+            message.budget_s, message.spent_s, message.front_s, message.rows, len(message.tensors),
             len(message.group)
         ) + _group_bytes(message.group)
         size = _tensors_chunks(message.tensors, len(head), out)
@@ -419,9 +422,10 @@ def decode(body: bytearray) -> Message:
         kind, ident = _HEAD.unpack_from(body, 0)
         offset = _HEAD.size
         if kind == Kind.CALL:
-            budget, spent, rows, count, groups = _CALL.unpack_from(body, offset)
+            budget, spent, front, rows, count, groups = _CALL.unpack_from(body, offset)
             group, offset = _read_group(body, offset + _CALL.size, groups)
-            return Call(ident, budget, rows, _read_tensors(body, offset, count), group, spent)
+            return Call(ident, budget, rows, _read_tensors(body, offset, count), group, spent,
+                        front)
         if kind == Kind.RESULT:
             (count,) = _COUNT.unpack_from(body, offset)
             return Result(ident, _read_tensors(body, offset + _COUNT.size, count))

@@ -131,6 +131,7 @@ class AdaptivePolicy:
             spread=fit.spread,
             stretch=fit.stretch,
             gap_s=self._gaps.mean,
+            fit=fit,
         )
 
     def calibration_sizes(self) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from .latency_model import Timing
+from .latency_model import Fit, Timing
 
 Reason = Literal["idle", "full", "deadline", "window", "cap"]
 """Why a batch was released: the model was idle with work queued (`idle`), the batch reached
@@ -97,6 +97,8 @@ class PolicyStats:
     spread: float = 0.0
     stretch: float = 1.0
     gap_s: float = 0.0
+    fit: Fit | None = None
+    """The latency model's current fit (None for a policy without one)."""
 
 
 class Policy(Protocol):

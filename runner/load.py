@@ -1,0 +1,111 @@
+"""What one runner process measures of the load it carries, for its capacity gauge.
+
+Per request, over the last reading's span: the rows, the API workers' CPU (each call says
+what its API worker spends per request lately), the process's own CPU outside the model
+thread; for the machine, the cores it leaves idle (`/proc/stat`) and the cores this process
+may use at all (its CPU affinity and its cgroup's quota). `batchserve.runner.policy.capacity`
+turns a reading into requests a second.
+
+Reading costs two clock reads and two small files, once per `Timeouts.PUBLISH_S` at most,
+and only while batches run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .policy.capacity import Load
+
+TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+MIN_REQUESTS = 20
+"""Fewer requests than this in a span say too little about their cost: no reading."""
+
+
+def machine_idle_s() -> float | None:
+    """Seconds all cores together have been idle since boot, or None where it cannot tell."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if len(fields) < 6 or fields[0] != "cpu":
+        return None
+    return (int(fields[4]) + int(fields[5])) / TICKS_PER_S  # idle and iowait
+
+
+def usable_cores() -> float:
+    """The cores this process may run on: its affinity, bounded by a cgroup v2 CPU quota."""
+    cores = float(len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else (
+        float(os.cpu_count() or 1))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return cores
+    if quota == "max":
+        return cores
+    return min(cores, int(quota) / int(period))
+
+
+class LoadMeter:
+    """Running totals of what this process served, read into a `Load` per span."""
+
+    def __init__(
+        self,
+        processes: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        cpu_clock: Callable[[], float] = time.process_time,
+        idle_clock: Callable[[], float | None] = machine_idle_s,
+        cores: float | None = None,
+    ) -> None:
+        self.processes = processes
+        self.front_s = 0.0  # API worker CPU of every request offered, as their calls said
+        self.offered = 0  # requests offered (with a front cost)
+        self.requests = 0  # requests (or pieces) in batches run
+        self.rows = 0
+        self.model_cpu_s = 0.0
+        self._clock, self._cpu_clock, self._idle_clock = clock, cpu_clock, idle_clock
+        self.cores = usable_cores() if cores is None else cores
+        self._last = self._totals()
+
+    def offer(self, front_s: float) -> None:
+        """One request came, whose API worker spends `front_s` of CPU per request lately."""
+        self.front_s += front_s
+        self.offered += 1
+
+    def batch(self, requests: int, rows: int, cpu_s: float) -> None:
+        """One batch ran: its requests, its rows and the model thread's CPU for it."""
+        self.requests += requests
+        self.rows += rows
+        self.model_cpu_s += cpu_s
+
+    def _totals(self) -> tuple[float, ...]:
+        idle = self._idle_clock()
+        return (self._clock(), self._cpu_clock(), -1.0 if idle is None else idle,
+                float(self.requests), float(self.rows), self.model_cpu_s, self.front_s,
+                float(self.offered))
+
+    def read(self) -> Load | None:
+        """What the span since the last reading measured; None when it saw too few requests
+        (the span then runs on)."""
+        if self.requests - self._last[3] < MIN_REQUESTS:
+            return None
+        now = self._totals()
+        wall, cpu, idle, requests, rows, model_cpu, front, offered = (
+            b - a for a, b in zip(self._last, now, strict=True))
+        if wall <= 0.0:
+            return None
+        known = now[2] >= 0.0 and self._last[2] >= 0.0
+        self._last = now
+        front_s = front / offered if offered > 0 else 0.0
+        idle_cores = idle / wall if known else 0.0
+        return Load(
+            rows_per_request=rows / requests,
+            front_s=front_s,
+            loop_s=max(0.0, cpu - model_cpu) / requests,
+            used_cores=(cpu + front_s * requests) / wall,
+            idle_cores=max(0.0, min(idle_cores, self.cores)),
+            processes=self.processes,
+            cores=self.cores,
+        )

@@ -1,0 +1,134 @@
+"""The capacity gauge's arithmetic, on fixed fits and fake clocks: what bounds it (the model
+within the limit, or the cores the server's requests cost), and what a runner process and an
+API worker measure for it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from batchserve.api.service import FrontCost
+from batchserve.runner.load import MIN_REQUESTS, LoadMeter
+from batchserve.runner.policy.capacity import Load, batch_within, capacity
+from batchserve.runner.policy.latency_model import Fit
+from batchserve.runner.server import _local
+
+# 2 ms a batch plus 0.1 ms a row; the high quantile 1.5x the mean.
+FIT = Fit(intercept_s=0.002, slope_s=0.0001, factor=1.5, samples=50)
+IDLE_CORES = Load(rows_per_request=1.0, front_s=0.0, loop_s=0.0, used_cores=0.0,
+                  idle_cores=2.0, cores=2.0)
+
+
+def test_the_largest_batch_within_half_the_limit_at_the_high_quantile() -> None:
+    # 50 ms / 1.5 = 33.3 ms: (33.3 - 2) / 0.1 = 313 rows, bounded by the cap.
+    assert batch_within(FIT, 0.1, 64) == 64
+    assert batch_within(FIT, 0.1, 1000) == 313
+    assert batch_within(FIT, 0.004, 64) == 1  # not even one row fits: one at a time
+
+
+def test_with_cores_to_spare_the_model_bounds_it() -> None:
+    # 64 rows in 2 + 6.4 ms, back to back.
+    assert capacity(FIT, 0.1, 64, IDLE_CORES) == pytest.approx(64 / 0.0084)
+
+
+def test_a_tighter_limit_means_smaller_batches_and_less_capacity() -> None:
+    loose, tight = capacity(FIT, 0.1, 1000, IDLE_CORES), capacity(FIT, 0.02, 1000, IDLE_CORES)
+    rows = batch_within(FIT, 0.02, 1000)
+    assert tight == pytest.approx(rows / FIT.mean(rows))
+    assert tight < loose
+
+
+def test_what_each_request_costs_outside_the_model_bounds_it_on_few_cores() -> None:
+    load = Load(rows_per_request=1.0, front_s=0.0004, loop_s=0.0001, used_cores=0.5,
+                idle_cores=0.5, cores=2.0)
+    model_s = FIT.cost(64) / 64
+    assert capacity(FIT, 0.1, 64, load) == pytest.approx(1.0 / (0.0005 + model_s))
+    dearer = Load(rows_per_request=1.0, front_s=0.0008, loop_s=0.0001, used_cores=0.5,
+                  idle_cores=0.5, cores=2.0)
+    assert capacity(FIT, 0.1, 64, dearer) < capacity(FIT, 0.1, 64, load)
+
+
+def test_processes_of_one_runner_share_the_idle_cores_and_none_exceeds_its_own() -> None:
+    one = Load(rows_per_request=1.0, front_s=0.001, loop_s=0.0, used_cores=0.2,
+               idle_cores=1.0, cores=4.0)
+    two = Load(rows_per_request=1.0, front_s=0.001, loop_s=0.0, used_cores=0.2,
+               idle_cores=1.0, processes=2, cores=4.0)
+    capped = Load(rows_per_request=1.0, front_s=0.001, loop_s=0.0, used_cores=0.2,
+                  idle_cores=1.0, cores=0.5)
+    per_request_s = 0.001 + FIT.cost(64) / 64
+    assert capacity(FIT, 0.1, 64, one) == pytest.approx(1.2 / per_request_s)
+    assert capacity(FIT, 0.1, 64, two) == pytest.approx(0.7 / per_request_s)
+    assert capacity(FIT, 0.1, 64, capped) == pytest.approx(0.5 / per_request_s)
+
+
+def test_requests_of_several_rows_count_as_many_rows() -> None:
+    four = Load(rows_per_request=4.0, front_s=0.0, loop_s=0.0, used_cores=0.0,
+                idle_cores=2.0, cores=2.0)
+    assert capacity(FIT, 0.1, 64, four) == pytest.approx(capacity(FIT, 0.1, 64, IDLE_CORES) / 4)
+
+
+def test_an_unfitted_model_says_nothing() -> None:
+    assert capacity(Fit(), 0.1, 64, IDLE_CORES) == 0.0
+
+
+class Clocks:
+    """Wall, process CPU and machine idle seconds, moved by hand."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = self.idle = 0.0
+
+    def meter(self, processes: int = 1) -> LoadMeter:
+        return LoadMeter(processes, lambda: self.wall, lambda: self.cpu, lambda: self.idle,
+                         cores=2.0)
+
+
+def test_a_load_reading_is_per_request_over_its_span() -> None:
+    clocks = Clocks()
+    meter = clocks.meter()
+    for _ in range(100):
+        meter.offer(0.0004)
+    for _ in range(10):
+        meter.batch(10, 10, 0.002)  # 100 requests, 20 ms of model CPU
+    clocks.wall, clocks.cpu, clocks.idle = 1.0, 0.05, 1.5
+    load = meter.read()
+    assert load is not None
+    assert load.rows_per_request == 1.0
+    assert load.front_s == pytest.approx(0.0004)
+    assert load.loop_s == pytest.approx((0.05 - 0.02) / 100)
+    assert load.used_cores == pytest.approx(0.05 + 0.04)
+    assert load.idle_cores == pytest.approx(1.5)
+
+
+def test_a_span_with_too_few_requests_runs_on_without_reading_the_clocks() -> None:
+    clocks = Clocks()
+    meter = clocks.meter()
+    meter.batch(MIN_REQUESTS - 1, MIN_REQUESTS - 1, 0.001)
+    clocks.wall = math.nan  # read, it would poison the reading
+    assert meter.read() is None
+    clocks.wall = 2.0
+    meter.batch(1, 1, 0.0)
+    load = meter.read()
+    assert load is not None and load.rows_per_request == 1.0
+
+
+def test_without_a_machine_idle_clock_no_idle_core_is_counted() -> None:
+    meter = LoadMeter(1, iter([0.0, 1.0]).__next__, lambda: 0.0, lambda: None, cores=2.0)
+    meter.batch(MIN_REQUESTS, MIN_REQUESTS, 0.0)
+    load = meter.read()
+    assert load is not None and load.idle_cores == 0.0
+
+
+def test_an_api_worker_reads_its_cpu_per_request_answered() -> None:
+    cpu = iter([1.0, 1.02, 1.03])
+    front = FrontCost(cpu.__next__)
+    assert front.measure(FrontCost.MIN_REQUESTS - 1) is None  # too few: the clock is not read
+    assert front.measure(100) == pytest.approx(0.02 / 100)
+    assert front.measure(149) is None
+    assert front.measure(200) == pytest.approx(0.01 / 100)
+
+
+def test_only_an_api_worker_on_this_machine_counts_against_its_cores() -> None:
+    assert _local("")  # a unix socket
+    assert _local(("127.0.0.1", 5000)) and _local(("::1", 5000, 0, 0))
+    assert not _local(("10.0.0.7", 5000))
