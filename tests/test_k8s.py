@@ -24,12 +24,13 @@ import yaml
 
 from batchserve.runner.core.config import parse
 from batchserve.runner.core.timeouts import Timeouts
-from batchserve.runner.metrics import gauges
+from batchserve.runner.metrics import capacity_rate, gauges
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
-KUSTOMIZATIONS = ("base", "overlays/dev", "overlays/prometheus-adapter", "overlays/keda")
+KUSTOMIZATIONS = ("base", "overlays/dev", "overlays/prometheus-adapter", "overlays/keda",
+                  "overlays/keda-utilization")
 TOKEN_FILE = "base/runner-mlp-token.env"
 # The oldest Kubernetes the manifests are for (the preStop `sleep` action is on by default
 # from 1.30), and the newest whose schemas kubernetes-validate ships.
@@ -385,6 +386,8 @@ def test_the_network_policy_check_can_fail() -> None:
 # --- the autoscalers -------------------------------------------------------------------------
 
 QUEUE_DEPTH = gauges["queued"].describe()[0].name
+ARRIVALS = gauges["arrival_rps"].describe()[0].name
+CAPACITY = capacity_rate.describe()[0].name
 
 
 def test_the_autoscalers_read_the_runners_queue_depth_gauge() -> None:
@@ -417,8 +420,8 @@ def test_the_adapter_serves_the_gauge_per_pod_to_the_runner_hpa(
     assert yaml.safe_load(rules["data"]["config.yaml"])["rules"] == [rule]
 
 
-def scaled_object(rendered: dict[str, list[Doc]]) -> Doc:
-    return one(rendered["overlays/keda"], "ScaledObject", "batchserve-runner-mlp")
+def scaled_object(rendered: dict[str, list[Doc]], overlay: str = "overlays/keda") -> Doc:
+    return one(rendered[overlay], "ScaledObject", "batchserve-runner-mlp")
 
 
 def test_keda_replaces_the_runner_hpa_and_scales_alike(rendered: dict[str, list[Doc]]) -> None:
@@ -437,7 +440,24 @@ def test_keda_replaces_the_runner_hpa_and_scales_alike(rendered: dict[str, list[
         hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"])
 
 
-@pytest.mark.parametrize("name", ["overlays/prometheus-adapter", "overlays/keda"])
+def test_keda_can_scale_on_utilization_before_a_queue_forms(
+    rendered: dict[str, list[Doc]],
+) -> None:
+    by_queue = scaled_object(rendered)
+    by_use = scaled_object(rendered, "overlays/keda-utilization")
+    [trigger] = by_use["spec"]["triggers"]
+    # A ratio scales the pods it finds (ceil(pods * value / threshold)), not a total per pod.
+    assert trigger["metricType"] == "Value"
+    assert 0.0 < float(trigger["metadata"]["threshold"]) < 1.0
+    query = trigger["metadata"]["query"]
+    assert CAPACITY in query and ARRIVALS in query
+    assert trigger["metadata"]["ignoreNullValues"] == "true"
+    for key in ("scaleTargetRef", "minReplicaCount", "maxReplicaCount", "advanced"):
+        assert by_use["spec"][key] == by_queue["spec"][key]
+
+
+@pytest.mark.parametrize(
+    "name", ["overlays/prometheus-adapter", "overlays/keda", "overlays/keda-utilization"])
 def test_an_autoscaled_runner_deployment_leaves_replicas_to_it(
     rendered: dict[str, list[Doc]], name: str,
 ) -> None:
@@ -472,6 +492,9 @@ def test_the_recording_rules_are_the_autoscalers_queries(
         adapter_rule(), "namespace, pod")
     query = scaled_object(rendered)["spec"]["triggers"][0]["metadata"]["query"]
     assert rules["batchserve:runner_mlp_queue_depth:sum_avg1m"] == query
+    by_use = scaled_object(rendered, "overlays/keda-utilization")
+    assert rules["batchserve:runner_mlp_utilization:avg1m"] == (
+        by_use["spec"]["triggers"][0]["metadata"]["query"])
     namespace = deployment(rendered["overlays/keda"], "runner")["metadata"]["namespace"]
     assert f'namespace="{namespace}"' in query
 
@@ -486,7 +509,7 @@ def promtool(*args: str) -> str:
 
 
 def test_the_autoscalers_queries_pass_promtool_on_synthetic_series() -> None:
-    assert "SUCCESS: 2 rules found" in promtool("check", "rules", "autoscaling-rules.yml")
+    assert "SUCCESS: 3 rules found" in promtool("check", "rules", "autoscaling-rules.yml")
     promtool("test", "rules", "autoscaling-rules.test.yml")
     tests = yaml.safe_load((K8S / "autoscaling-rules.test.yml").read_text())["tests"]
     tested = {case["expr"].split("{")[0] for test in tests for case in test["promql_expr_test"]}
