@@ -207,13 +207,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def replace_block(path: Path, text: str) -> None:
-    """Put ``text`` between the README_START and README_END lines of ``path``."""
+def replace_block(path: Path, text: str, first: str = README_START,
+                  last: str = README_END) -> None:
+    """Put ``text`` between the lines ``first`` and ``last`` of ``path``."""
     content = path.read_text()
-    start, end = content.find(README_START), content.find(README_END)
+    start, end = content.find(first), content.find(last)
     if start < 0 or end < start:
-        raise SystemExit(f"live_table: {path} has no {README_START!r} ... {README_END!r} block")
-    head = content[: start + len(README_START)]
+        raise SystemExit(f"{path} has no {first!r} ... {last!r} block")
+    head = content[: start + len(first)]
     path.write_text(f"{head}\n{text}\n{content[end:]}")
 
 

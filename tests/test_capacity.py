@@ -13,6 +13,8 @@ from batchserve.runner.load import MIN_REQUESTS, LoadMeter
 from batchserve.runner.policy.capacity import Load, batch_within, capacity
 from batchserve.runner.policy.latency_model import Fit
 from batchserve.runner.server import _local
+from benchmarks.capacity import Check, markdown, sweep
+from benchmarks.live_clients import RunResult
 
 # 2 ms a batch plus 0.1 ms a row; the high quantile 1.5x the mean.
 FIT = Fit(intercept_s=0.002, slope_s=0.0001, factor=1.5, samples=50)
@@ -132,3 +134,40 @@ def test_only_an_api_worker_on_this_machine_counts_against_its_cores() -> None:
     assert _local("")  # a unix socket
     assert _local(("127.0.0.1", 5000)) and _local(("::1", 5000, 0, 0))
     assert not _local(("10.0.0.7", 5000))
+
+
+# --- the live check's bookkeeping (benchmarks/capacity.py) -----------------------------------
+
+def run_at(rate: float, p99_ms: float) -> RunResult:
+    return RunResult(client="fake", rate=rate, seconds=1.0, sent=100, ok=100, refused=0,
+                     other=0, p50_ms=1.0, p99_ms=p99_ms, refused_p99_ms=None,
+                     send_lag_p99_ms=None, good=100, client_cpu_s=0.0, raw={})
+
+
+class FakeClient:
+    """Passes up to `limit` req/s; past it, p99 over the limit."""
+
+    name = "fake"
+
+    def __init__(self, limit: float, passes_again: float = math.inf) -> None:
+        self.limit, self.passes_again, self.tried = limit, passes_again, []
+
+    def run(self, url: str, rate: float, seconds: float, seed: int) -> RunResult:
+        self.tried.append(rate)
+        ok = rate <= self.limit or rate == self.passes_again
+        return run_at(rate, 20.0 if ok else 500.0)
+
+
+def test_a_sweep_goes_on_past_one_failure_and_stops_after_two() -> None:
+    client = FakeClient(1600, passes_again=2400)  # a noisy miss at 2,000
+    runs = sweep(client, "", [1200, 1600, 2000, 2400, 2800, 3200, 4000], 1.0)
+    assert client.tried == [1200, 1600, 2000, 2400, 2800, 3200]
+    checked = Check("fake", 800, 2000.0, tuple(runs))
+    assert checked.passed_rate == 2400
+    assert checked.ratio == pytest.approx(2000 / 2400)
+    assert "| fake | 2,000 | 2,400 | 0.83 |" in markdown([checked])
+
+
+def test_a_sweep_where_nothing_passes_has_no_ratio() -> None:
+    checked = Check("fake", 800, 2000.0, tuple(sweep(FakeClient(0), "", [1, 2, 3], 1.0)))
+    assert checked.passed_rate is None and checked.ratio is None
