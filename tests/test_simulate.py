@@ -395,3 +395,10 @@ def test_grid_cells_are_deterministic() -> None:
     assert replace(first.adaptive, wall_s=0.0, refit_ms_mean=0.0, refit_ms_max=0.0) == \
         replace(second.adaptive, wall_s=0.0, refit_ms_mean=0.0, refit_ms_max=0.0)
     assert replace(first.bentoml, wall_s=0.0) == replace(second.bentoml, wall_s=0.0)
+
+
+def test_given_arrivals_replace_the_scenarios_poisson_traffic() -> None:
+    scenario = parse_scenario(SMALL, "small")
+    result = simulate(scenario, traffic=[(0.1, 1), (0.2, 3), (0.5, 1)])
+    assert (result.requests, result.ok, result.rejected) == (3, 3, 0)
+    assert result.mean_batch_size * result.batches == 5  # every row, at the times given

@@ -103,9 +103,12 @@ def simulate(
     *,
     seed: int | None = None,
     policy: Policy | None = None,
+    traffic: list[tuple[float, int]] | None = None,
     **policy_kw: Any,
 ) -> Result:
-    """Run one policy through one scenario on a virtual clock."""
+    """Run one policy through one scenario on a virtual clock. `traffic`, arrival times with
+    request sizes in ascending time, replaces the scenario's Poisson phases (whose costs still
+    apply): `batchserve plan` plays one process's share of recorded arrivals this way."""
     seed = scenario.seed if seed is None else seed
     slo_s = scenario.slo_ms / 1000.0
     if policy is None:
@@ -114,7 +117,7 @@ def simulate(
     machine = random.Random(seed * 7919 + 2)
     _calibrate(policy, scenario.phases[0].cost, noise, machine)
     wall = time.perf_counter()
-    traffic = arrivals(scenario, seed)
+    traffic = arrivals(scenario, seed) if traffic is None else traffic
     timer = BatchTimer(noise, machine, [arrival for arrival, _ in traffic])
     trace = _run(policy, traffic, scenario, slo_s, timer)
     return _result(scenario, policy_kind, trace, time.perf_counter() - wall)
