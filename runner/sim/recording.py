@@ -123,3 +123,16 @@ def _cpu_line(groups: dict[int, list[tuple[float, float]]]) -> tuple[float, floa
     if intercept < 0.0:
         return 0.0, sum(n * t for n, t in points) / sum(n * n for n, _ in points)
     return intercept, slope
+
+
+def merge(recordings: list[Recording]) -> Recording:
+    """One recording of several processes' logs (a runner with `workers: 2` writes one file per
+    process), its CPU line fitted over all of them."""
+    groups: dict[int, list[tuple[float, float]]] = {}
+    for recording in recordings:
+        for rows, group in zip(recording.sizes, recording.times, strict=True):
+            groups.setdefault(rows, []).extend(group)
+    sizes = tuple(sorted(groups))
+    intercept, slope = _cpu_line(groups)
+    path = ", ".join(recording.path for recording in recordings)
+    return Recording(path, sizes, tuple(tuple(groups[n]) for n in sizes), intercept, slope)

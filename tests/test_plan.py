@@ -1,0 +1,134 @@
+"""The capacity planner: the machine model, traffic scaling, plans on synthetic and recorded
+costs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from batchserve.runner.sim.plan import (
+    Inputs,
+    Machine,
+    Setting,
+    Traffic,
+    cpu_only,
+    erlang_c,
+    evaluate,
+    plan,
+    plan_setting,
+    recommend,
+)
+from batchserve.runner.sim.recording import load_recording, merge
+from batchserve.runner.sim.scenario import Cost
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORDED = ROOT / "benchmarks" / "scenarios" / "recorded" / "mlp-closed32.csv"
+# 5 ms a batch and 0.5 ms a row: full batches of 64 carry 64 / 37 ms = 1,730 rows/s.
+SLOW = Cost(5.0, 0.5, noise=0.05)
+
+
+def inputs(machine: Machine, rate: float = 1000.0, cost: Cost = SLOW) -> Inputs:
+    return Inputs(cost, machine, Traffic(((1.0, rate),)), limit_ms=100.0)
+
+
+# --- the machine ----------------------------------------------------------------------------
+
+
+def test_one_core_stretches_as_a_single_queue() -> None:
+    machine = Machine(cores=1, front_s=0.0)
+    for load in (0.1, 0.5, 0.9):
+        assert erlang_c(1, load) == pytest.approx(load)
+        assert machine.stretch(load) == pytest.approx(1.0 / (1.0 - load))
+
+
+def test_two_cores_stretch_less_than_one_at_the_same_share() -> None:
+    # Erlang C with 2 servers and 1 server's worth of work: 1/3 of jobs wait, for 1 service.
+    assert erlang_c(2, 1.0) == pytest.approx(1.0 / 3.0)
+    assert Machine(cores=2, front_s=0.0).stretch(1.0) == pytest.approx(4.0 / 3.0)
+    assert Machine(cores=1, front_s=0.0).stretch(0.5) == pytest.approx(2.0)
+
+
+def test_demand_at_or_over_the_cores_cannot_be_carried() -> None:
+    machine = Machine(cores=2, front_s=0.001, batch_s=0.002, client_s=0.0005, busy_cores=0.5)
+    assert machine.demand(1000.0, 100.0, 0.25) == pytest.approx(0.5 + 1.5 + 0.2 + 0.25)
+    assert machine.stretch(2.0) == float("inf")
+
+
+# --- traffic --------------------------------------------------------------------------------
+
+
+def test_phases_scale_to_a_mean_rate_and_keep_their_shape() -> None:
+    traffic = Traffic(((1.0, 100.0), (3.0, 300.0)))
+    assert traffic.mean_rate == 250.0
+    assert traffic.at(500.0).phases == ((1.0, 200.0), (3.0, 600.0))
+
+
+def test_recorded_arrivals_are_compressed_and_shared_among_processes() -> None:
+    traffic = Traffic.from_arrivals([10.0 + i / 100.0 for i in range(1001)])  # 100/s for 10 s
+    faster = traffic.at(2 * traffic.mean_rate)
+    assert faster.recorded[-1] == pytest.approx(5.0)
+    share = faster.share(4, seed=1)
+    assert share is not None
+    assert 200 < len(share) < 300  # each arrival kept with chance 1/4
+    assert Traffic(((1.0, 5.0),)).share(4, seed=1) is None
+
+
+def test_recorded_arrivals_need_a_span() -> None:
+    with pytest.raises(ValueError, match="must span some time"):
+        Traffic.from_arrivals([1.0, 1.0])
+
+
+# --- the planner ----------------------------------------------------------------------------
+
+
+def test_a_rate_the_cores_cannot_carry_is_saturated_without_simulating() -> None:
+    machine = Machine(cores=1, front_s=0.001)  # the front alone fills the core at 1,000/s
+    point = evaluate(inputs(machine), Setting(1, 64), 1200.0)
+    assert point.saturated and not point.passed
+    assert point.goodput_rps == 0.0
+
+
+def test_one_process_passes_up_to_near_what_full_batches_carry() -> None:
+    plenty = Machine(cores=16, front_s=0.0)
+    result = plan_setting(inputs(plenty), Setting(1, 64), target=1000.0)
+    assert 1200.0 < result.passing_rps < 1800.0  # 64 rows / 37 ms = 1,730 req/s
+    assert result.target.passed and result.target.goodput_rps == pytest.approx(1000.0, rel=0.1)
+
+
+def test_processes_add_up_on_idle_cores_but_not_on_a_full_machine() -> None:
+    plenty = inputs(Machine(cores=16, front_s=0.0))
+    one, two = plan(plenty, [Setting(2, 64), Setting(1, 64)], target=1000.0)
+    assert (one.setting.processes, two.setting.processes) == (1, 2)  # ordered
+    assert two.passing_rps > 1.6 * one.passing_rps
+    # One core that the front already half fills: a second process has no core to run on.
+    tight = inputs(Machine(cores=1, front_s=0.0003))
+    one, two = plan(tight, [Setting(1, 64), Setting(2, 64)], target=1000.0)
+    assert two.passing_rps < 1.15 * one.passing_rps
+    assert max(one.passing_rps, two.passing_rps) < 1000.0  # 0.3 ms + the model's share
+
+
+def test_the_front_costs_capacity() -> None:
+    light = plan_setting(inputs(Machine(cores=2, front_s=0.0001)), Setting(1, 64), 1000.0)
+    heavy = plan_setting(inputs(Machine(cores=2, front_s=0.0008)), Setting(1, 64), 1000.0)
+    assert heavy.passing_rps < 0.8 * light.passing_rps
+
+
+def test_recommend_takes_the_smallest_setting_that_passes_at_the_target() -> None:
+    plenty = inputs(Machine(cores=16, front_s=0.0))
+    plans = plan(plenty, [Setting(1, 64), Setting(2, 64), Setting(4, 64)], target=2500.0)
+    assert not plans[0].target.passed
+    best = recommend(plans)
+    assert best is not None and best.setting == Setting(2, 64)
+
+
+def test_a_recorded_log_is_replayed_on_its_cpu_time() -> None:
+    recording = load_recording(RECORDED)
+    cpu = cpu_only(recording)
+    assert (cpu.sizes, cpu.intercept_s, cpu.slope_s) == \
+        (recording.sizes, recording.intercept_s, recording.slope_s)
+    for group in cpu.times:
+        assert all(wall == cost for wall, cost in group)
+    merged = merge([recording, recording])
+    assert merged.batches == 2 * recording.batches
+    assert merged.slope_s == pytest.approx(recording.slope_s)
