@@ -1,4 +1,4 @@
-"""The `batchserve` command: serve, runner, validate, simulate, bench.
+"""The `batchserve` command: serve, runner, validate, simulate, plan, bench.
 
 Library code raises; only this module turns an error into one line on stderr and a
 non-zero exit status (3 for a bad configuration, as uvicorn does for a failed start).
@@ -77,6 +77,7 @@ def _forward(module: str) -> Callable[[list[str]], int]:
 FORWARDED = {
     "runner": _forward("batchserve.runner.server"),
     "simulate": _forward("batchserve.runner.sim.simulate"),
+    "plan": _forward("batchserve.runner.sim.plan_cli"),
     "bench": _forward("batchserve.api.bench.bench"),
 }
 

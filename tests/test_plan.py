@@ -1,12 +1,16 @@
-"""The capacity planner: the machine model, traffic scaling, plans on synthetic and recorded
-costs."""
+"""`batchserve plan`: the machine model, traffic scaling, the planner on synthetic and recorded
+costs, the command line end to end, and a live server's latency model read from /metrics."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from batchserve.runner.sim import plan_cli
 from batchserve.runner.sim.plan import (
     Inputs,
     Machine,
@@ -21,9 +25,18 @@ from batchserve.runner.sim.plan import (
 )
 from batchserve.runner.sim.recording import load_recording, merge
 from batchserve.runner.sim.scenario import Cost
+from tests.conftest import Server, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDED = ROOT / "benchmarks" / "scenarios" / "recorded" / "mlp-closed32.csv"
+MLP = """
+runners:
+  mlp:
+    model: batchserve.runner.bundled:mlp
+    batching: {max_batch_size: 64, max_latency_ms: 100}
+    inputs: [{name: x, datatype: FP32, shape: [-1, 256]}]
+    outputs: [{name: y, datatype: FP32, shape: [-1, 16]}]
+"""
 # 5 ms a batch and 0.5 ms a row: full batches of 64 carry 64 / 37 ms = 1,730 rows/s.
 SLOW = Cost(5.0, 0.5, noise=0.05)
 
@@ -132,3 +145,111 @@ def test_a_recorded_log_is_replayed_on_its_cpu_time() -> None:
     merged = merge([recording, recording])
     assert merged.batches == 2 * recording.batches
     assert merged.slope_s == pytest.approx(recording.slope_s)
+
+
+# --- the command line -----------------------------------------------------------------------
+
+
+def write_config(tmp_path: Path) -> Path:
+    config = tmp_path / "configuration.yml"
+    config.write_text(MLP)
+    return config
+
+
+def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = plan_cli.main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_command_plans_from_a_batch_log_and_draws_a_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    text = RECORDED.read_text().splitlines()
+    (logs / "mlp-1.csv").write_text("\n".join(text[:500]) + "\n")
+    (logs / "mlp-2.csv").write_text("\n".join([text[0], *text[500:]]) + "\n")
+    png = tmp_path / "plan.png"
+    code, out, err = run(["--batch-log", str(logs), "--config", str(write_config(tmp_path)),
+                          "--target", "800", "--processes", "1,2", "--seconds", "1",
+                          "--cores", "2", "--png", str(png)], capsys)
+    assert (code, err) == (0, "")
+    assert "1079 recorded batches" in out
+    assert "| 1 | 64 |" in out and "| 2 | 64 |" in out
+    assert "smallest setting that carries 800 req/s within 100 ms: 1 process(es), " \
+           "max_batch_size 64" in out
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_the_command_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["--fit", "1,0.05", "--config", str(write_config(tmp_path)),
+                        "--phases", "1:200,1:600", "--processes", "1",
+                        "--max-batch-sizes", "8,32", "--cores", "2", "--json"], capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert report["target_rps"] == 400.0  # the phases' mean
+    assert [(s["processes"], s["max_batch_size"]) for s in report["settings"]] == [(1, 8), (1, 32)]
+    assert report["recommended"] == {"processes": 1, "max_batch_size": 8}
+    assert report["cost"] == "CPU 1 ms + 0.05 ms/row, noise 0.1"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--fit", "1,0.05"], "give the traffic (--rate, --phases or --arrivals) or --target"),
+    (["--fit", "1", "--rate", "100"], "--fit has value '1'; it must be 2 numbers at least 0"),
+    (["--fit", "1,0.05", "--rate", "100", "--runner", "nope"],
+     "--runner has value 'nope'; the configuration has mlp"),
+    (["--fit", "1,0.05", "--phases", "1:x"], "--phases has value '1:x'; it must be"),
+    (["--batch-log", ".", "--rate", "100"], "holds no batch log of runner 'mlp' (mlp-<pid>.csv)"),
+])
+def test_the_command_says_what_is_wrong(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    code, out, err = run([*args, "--config", str(write_config(tmp_path))], capsys)
+    assert (code, out) == (2, "")
+    assert err.startswith("batchserve plan: error: ") and message in err
+
+
+def test_recorded_arrivals_are_read_with_a_header(tmp_path: Path) -> None:
+    path = tmp_path / "arrivals.csv"
+    path.write_text("time_s,other\n0.5,x\n# a comment\n0.75\n")
+    assert plan_cli.arrivals(path) == [0.5, 0.75]
+    path.write_text("0.5\nlater\n")
+    with pytest.raises(plan_cli.PlanError, match=r"arrivals.csv:2 has 'later'"):
+        plan_cli.arrivals(path)
+
+
+# --- a live server's latency model ----------------------------------------------------------
+
+
+def gauge(text: str, name: str) -> float:
+    values = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == name and s.labels.get("runner") == "mlp"]
+    return values[0] if len(values) == 1 else float("nan")
+
+
+def test_the_plan_reads_a_running_servers_latency_model(
+    serve: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server: Server = serve(MLP)
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256],
+                        "data": [0.0] * 256}]}
+    with server.client() as client:
+        for _ in range(20):
+            assert client.post("/v2/models/mlp/infer", json=body).status_code == 200
+
+        def published() -> bool:
+            return gauge(client.get("/metrics").text, plan_cli.INTERCEPT) > 0.0
+
+        wait_for(published, 30, "the runner's latency model in /metrics")
+        text = client.get("/metrics").text
+    intercept_ms = gauge(text, plan_cli.INTERCEPT) * 1000.0
+    slope_ms = gauge(text, plan_cli.SLOPE) * 1000.0
+    assert plan_cli.metrics_fit(server.url, "mlp") == pytest.approx((intercept_ms, slope_ms))
+    code, out, _ = run(["--metrics", server.url, "--config", str(write_config(tmp_path)),
+                        "--rate", "200", "--processes", "1", "--seconds", "1", "--json"], capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert report["cost"] == f"CPU {intercept_ms:.3g} ms + {slope_ms:.3g} ms/row, noise 0.1"
+    assert report["settings"][0]["passing_rps"] > 200.0
