@@ -204,9 +204,10 @@ def evaluate(inputs: Inputs, setting: Setting, rate: float, batch_guess: float =
     Each round moves the assumed size halfway (geometrically) to the one seen: a jump all the
     way overshoots, since smaller batches mean more demand, hence slower and larger batches."""
     machine, largest = inputs.machine, float(setting.max_batch_size)
+    traffic = inputs.traffic.at(rate)
     rows = min(max(batch_guess, 1.0), largest)
     for _ in range(ROUNDS):
-        demand = _demand(inputs, traffic := inputs.traffic.at(rate), rows)
+        demand = _demand(inputs, traffic, rows)
         if demand >= machine.cores and rows < largest:
             rows = largest  # the most the policy could do to lower the demand
             demand = _demand(inputs, traffic, rows)
