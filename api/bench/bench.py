@@ -24,6 +24,7 @@ from urllib.parse import quote
 import numpy as np
 import orjson
 
+from ...runner.core.pyplot import PlotUnavailable
 from . import plot, probe, requests
 from .loadgen import loop_factory, run_load
 from .progress_bar import ProgressBar
@@ -168,7 +169,7 @@ def _check(args: argparse.Namespace) -> str | None:
     if args.plot is not None:
         try:
             plot.require()
-        except plot.PlotUnavailable as exc:
+        except PlotUnavailable as exc:
             return str(exc)
     return None
 

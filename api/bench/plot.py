@@ -7,36 +7,21 @@ only when a plot is asked for, so the server never loads it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from ...runner.core.pyplot import pyplot
 from .report import Report
 
-INSTALL_HINT = "--plot needs matplotlib: pip install 'batchserve[plot]'"
-
-
-class PlotUnavailable(Exception):
-    """matplotlib is not installed."""
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError:
-        raise PlotUnavailable(INSTALL_HINT) from None
-    matplotlib.use("Agg")  # files only: no display is needed or wanted
-    import matplotlib.pyplot as plt
-
-    return plt
+OPTION = "--plot"
 
 
 def require() -> None:
-    """Raise :class:`PlotUnavailable` now, before a sweep runs, rather than after it."""
-    _pyplot()
+    """Raise `PlotUnavailable` now, before a sweep runs, rather than after it."""
+    pyplot(OPTION)
 
 
 def plot(report: Report, path: Path) -> None:
     """Write the sweep's plot to ``path`` (PNG)."""
-    plt = _pyplot()
+    plt = pyplot(OPTION)
     offered = [step.load.offered_rate for step in report.steps]
     fig, (lat, put) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
     for name, q in (("p50", "ok_p50_ms"), ("p90", "ok_p90_ms"), ("p99", "ok_p99_ms")):

@@ -24,9 +24,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..core.config import Config, ConfigError, RunnerConfig, load
+from ..core.pyplot import PlotUnavailable
 from . import plan_plot
 from .plan import Inputs, Machine, Setting, SettingPlan, Traffic, cpu_only, plan, recommend
-from .plan_plot import PlotUnavailable
 from .recording import RecordingError, load_recording, merge
 from .scenario import Cost
 

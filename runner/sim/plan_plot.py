@@ -8,38 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
+from ..core.pyplot import pyplot
 from .plan import Inputs, SettingPlan
 
-INSTALL_HINT = "--png needs matplotlib: pip install 'batchserve[plot]'"
-
-
-class PlotUnavailable(Exception):
-    """matplotlib is not installed."""
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError:
-        raise PlotUnavailable(INSTALL_HINT) from None
-    matplotlib.use("Agg")  # files only: no display is needed or wanted
-    import matplotlib.pyplot as plt
-
-    return plt
+OPTION = "--png"
 
 
 def require() -> None:
-    """Raise :class:`PlotUnavailable` now, before the plan runs, rather than after it."""
-    _pyplot()
+    """Raise `PlotUnavailable` now, before the plan runs, rather than after it."""
+    pyplot(OPTION)
 
 
 def plot(plans: Sequence[SettingPlan], made: Inputs, target: float, runner: str,
          path: Path) -> None:
     """Goodput within the limit against offered rate; a marker at each passing rate. Points
     where the machine cannot keep up at all (saturated) are left out of the curves."""
-    plt = _pyplot()
+    plt = pyplot(OPTION)
     fig, ax = plt.subplots(figsize=(8, 5), constrained_layout=True)
     top = max(point.rate for p in plans for point in p.curve)
     ax.plot([0, top], [0, top], ":", color="grey", label="offered")
