@@ -1,36 +1,45 @@
-"""The capacity gauge against the rate the server really passes, on this machine.
+"""The capacity gauge and `batchserve plan` against the rate the server really passes.
 
-For each client (batchserve's own generator, the shared aiohttp one), a fresh server on
-``--config`` is warmed up and driven at ``--read-rate`` (800 req/s) for ``--seconds``; the
-runner's capacity (``batchserve_capacity_requests_per_second``, summed over its processes)
-is read at the end of that run. Then the same server is swept upwards through ``--rates``
-until two rates in a row fail; the highest rate that passed (at most 1% non-OK, p99 of the
-OKs within 100 ms, as in the live table) is what the gauge should have said.
+For each client (batchserve's own generator, the shared aiohttp one) and each number of `mlp`
+runner processes (``--processes 1,2``: the bundled configuration with `workers` set), a fresh
+server writing its batch log is warmed up and driven at ``--read-rate`` (800 req/s) for
+``--seconds``; the runner's capacity (``batchserve_capacity_requests_per_second``, summed over
+its processes) is read at the end of that run. The same server is then swept upwards through
+``--rates`` until two rates in a row fail; the highest rate that passed (at most 1% non-OK,
+p99 of the OKs within 100 ms, as in the live table) is what both should have said. Last,
+`batchserve plan` runs on that server's batch log, for that many processes, told the client's
+measured CPU per request (it runs on the same cores).
 
-    python -m benchmarks.capacity [--config configuration.yml] [--rates 1200,1600,...]
-        [--doc docs/monitoring.md]
+    python -m benchmarks.capacity [--processes 1,2] [--clients batchserve,shared]
+        [--rates 1200,1600,...] [--doc docs/monitoring.md]
 
-Run it from the repository root, under the bench lock on a shared machine.
+About 8 minutes with the defaults. Run it from the repository root, under the bench lock on a
+shared machine: other work on the cores lowers what passes, and only the gauge sees it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from batchserve.api.bench.loadgen import loop_factory
 from batchserve.api.bench.scrape import fetch
-from batchserve.api.bench.server import serve
+from batchserve.api.bench.server import batchserve_command, serve
 from benchmarks.live_clients import Client, OwnClient, RunResult, SharedClient
 from benchmarks.live_table import replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
+RUNNER = "mlp"
 CAPACITY = "batchserve_capacity_requests_per_second"
 DOC_START = "<!-- capacity-check: start -->"
 DOC_END = "<!-- capacity-check: end -->"
@@ -38,22 +47,23 @@ DOC_END = "<!-- capacity-check: end -->"
 
 @dataclass(frozen=True)
 class Check:
-    """One client's reading of the gauge and the sweep after it."""
+    """One client on one server: the gauge, the sweep after it, and the plan's rate."""
 
     client: str
-    read_rate: float
+    processes: int
     capacity: float
     sweep: tuple[RunResult, ...]
+    planned: float | None = None
 
     @property
     def passed_rate(self) -> float | None:
         passed = [run.rate for run in self.sweep if run.passed]
         return max(passed) if passed else None
 
-    @property
-    def ratio(self) -> float | None:
-        rate = self.passed_rate
-        return self.capacity / rate if rate else None
+    def against(self, rate: float | None) -> float | None:
+        """`rate` over the highest rate passed."""
+        passed = self.passed_rate
+        return rate / passed if passed and rate else None
 
 
 def sweep(client: Client, url: str, rates: Sequence[float], seconds: float) -> list[RunResult]:
@@ -68,38 +78,79 @@ def sweep(client: Client, url: str, rates: Sequence[float], seconds: float) -> l
     return runs
 
 
-def check(client: Client, args: argparse.Namespace, runner: str) -> Check:
-    log = args.logs / f"server-{client.name}.log"
-    with serve(args, log, cwd=ROOT) as (base, _):
-        url = f"{base}/v2/models/{runner}/infer"
-        client.run(url, 200.0, 3.0, seed=999)
-        client.run(url, args.read_rate, args.seconds, seed=1)
-        capacity = fetch(base).total(CAPACITY, runner=runner)
-        print(f"  {client.name}: capacity {capacity:.0f} req/s read at {args.read_rate:g}",
-              file=sys.stderr, flush=True)
-        runs = sweep(client, url, [float(r) for r in args.rates.split(",")], args.seconds)
-    return Check(client.name, args.read_rate, capacity, tuple(runs))
+def config_with(processes: int, folder: Path, source: Path) -> Path:
+    """`source` with the runner's `workers` set to `processes`."""
+    document = yaml.safe_load(source.read_text())
+    document["runners"][RUNNER]["workers"] = processes
+    path = folder / f"configuration-{processes}.yml"
+    path.write_text(yaml.safe_dump(document))
+    return path
 
 
-def markdown(checks: Sequence[Check]) -> str:
-    lines = ["| client | capacity read at 800 req/s | highest rate passed | capacity / passed |",
-             "|---|---:|---:|---:|"]
+def planned(logs: Path, config: Path, processes: int, client_ms: float) -> float:
+    """The plan's passing rate for `processes` from the batch logs in `logs`."""
+    command = [*batchserve_command(), "plan", "--batch-log", str(logs), "--config", str(config),
+               "--runner", RUNNER, "--target", "1000", "--processes", str(processes),
+               "--client-ms", f"{client_ms:.3f}", "--json"]
+    report = json.loads(subprocess.run(command, capture_output=True, text=True,
+                                       check=True).stdout)
+    [setting] = report["settings"]
+    return float(setting["passing_rps"])
+
+
+def check(client: Client, args: argparse.Namespace, processes: int) -> Check:
+    folder = args.logs / f"{client.name}-{processes}"
+    batches = folder / "batches"
+    batches.mkdir(parents=True)
+    run_args = argparse.Namespace(**vars(args))
+    run_args.config = config_with(processes, folder, args.config)
+    os.environ["BATCHSERVE_BATCH_LOG"] = str(batches)  # the server started next inherits it
+    try:
+        with serve(run_args, folder / "server.log", cwd=ROOT) as (base, _):
+            url = f"{base}/v2/models/{RUNNER}/infer"
+            client.run(url, 200.0, 3.0, seed=999)
+            client.run(url, args.read_rate, args.seconds, seed=1)
+            capacity = fetch(base).total(CAPACITY, runner=RUNNER)
+            print(f"  {client.name}, {processes} process(es): capacity {capacity:.0f} req/s "
+                  f"read at {args.read_rate:g}", file=sys.stderr, flush=True)
+            rates = [float(r) for r in args.rates.split(",")]
+            runs = tuple(sweep(client, url, rates, args.seconds))
+    finally:
+        del os.environ["BATCHSERVE_BATCH_LOG"]
+    client_ms = 1000 * sum(r.client_cpu_s for r in runs) / max(sum(r.sent for r in runs), 1)
+    plan = planned(batches, run_args.config, processes, client_ms)
+    return Check(client.name, processes, capacity, runs, plan)
+
+
+def _rate(rate: float | None) -> str:
+    return f"{rate:,.0f}" if rate else "none"
+
+
+def _ratio(ratio: float | None) -> str:
+    return f"{ratio:.2f}" if ratio else "-"
+
+
+def markdown(checks: Sequence[Check], read_rate: float = 800.0) -> str:
+    lines = [f"| client | runner processes | capacity read at {read_rate:,.0f} req/s | "
+             "plan | highest rate passed | capacity / passed | plan / passed |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for c in checks:
-        passed = f"{c.passed_rate:,.0f}" if c.passed_rate else "none"
-        ratio = f"{c.ratio:.2f}" if c.ratio else "-"
-        lines.append(f"| {c.client} | {c.capacity:,.0f} | {passed} | {ratio} |")
+        lines.append(
+            f"| {c.client} | {c.processes} | {c.capacity:,.0f} | {_rate(c.planned)} | "
+            f"{_rate(c.passed_rate)} | {_ratio(c.against(c.capacity))} | "
+            f"{_ratio(c.against(c.planned))} |")
     return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, default=ROOT / "configuration.yml")
-    p.add_argument("--runner", default="mlp")
+    p.add_argument("--processes", default="1,2", help="numbers of mlp runner processes")
     p.add_argument("--api-workers", type=int, default=2)
     p.add_argument("--clients", default="batchserve,shared", help="batchserve, shared or both")
     p.add_argument("--read-rate", type=float, default=800.0)
-    p.add_argument("--rates", default="1200,1600,2000,2400,2800,3200,3600,4000,4800")
-    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--rates", default="1200,1600,2000,2400,2800,3200,3600,4000,4400,4800")
+    p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--shared-loadgen", type=Path, default=ROOT.parent / "shared/tools/loadgen.py")
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--doc", type=Path, help=f"also put the table in this file between "
@@ -117,8 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         table = {"batchserve": lambda: OwnClient(runner),
                  "shared": lambda: SharedClient(args.shared_loadgen)}
         for name in args.clients.split(","):
-            checks.append(check(table[name](), args, args.runner))
-    text = markdown(checks)
+            for processes in (int(p) for p in args.processes.split(",")):
+                checks.append(check(table[name](), args, processes))
+    text = markdown(checks, args.read_rate)
     print(text)
     if args.doc:
         replace_block(args.doc, text, DOC_START, DOC_END)

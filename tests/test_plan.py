@@ -25,7 +25,6 @@ from batchserve.runner.sim.plan import (
 )
 from batchserve.runner.sim.recording import load_recording, merge
 from batchserve.runner.sim.scenario import Cost
-from benchmarks.plan_check import Step, passing
 from tests.conftest import Server, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,14 +253,3 @@ def test_the_plan_reads_a_running_servers_latency_model(
     report = json.loads(out)
     assert report["cost"] == f"CPU {intercept_ms:.3g} ms + {slope_ms:.3g} ms/row, noise 0.1"
     assert report["settings"][0]["passing_rps"] > 200.0
-
-
-def test_the_live_check_counts_a_rate_only_if_every_round_passed() -> None:
-    def step(count: int, rnd: int, rate: float, passed: bool) -> Step:
-        return Step(count, rnd, rate, passed, 50.0, 0.0, 0.5, 0.1, 0.0)
-
-    steps = [step(1, 0, 1000.0, True), step(1, 1, 1000.0, True),
-             step(1, 0, 2000.0, True), step(1, 1, 2000.0, False),
-             step(2, 0, 1000.0, False), step(2, 1, 1000.0, True)]
-    assert passing(steps, 1) == 1000.0
-    assert passing(steps, 2) == 0.0
