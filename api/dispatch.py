@@ -6,7 +6,7 @@ uniformly at random by default, or the less loaded of two drawn at random). A co
 that drops fails its calls in flight at once (503), and reconnects in the background, so a
 restarted runner takes traffic again without anyone asking.
 
-A draining runner refuses the calls it has not started (`stopping`); those, and the calls
+A draining runner refuses the calls it has not started (`draining`); those, and the calls
 a dropped connection held unstarted, go once more to another process while their budget
 lasts, so a runner that drains or goes away loses no request another process can take.
 
@@ -180,7 +180,7 @@ class Link(asyncio.BufferedProtocol):
                 self.started.discard(message.id)
                 _tell(waiting.answer, NotStarted(
                     f"runner {self.runner!r} at {self.address} is stopping and did not "
-                    "run the request; retry shortly", 1.0, "stopping") if refused else message)
+                    "run the request; retry shortly", 1.0, "draining") if refused else message)
             if not self.pending:
                 self._disarm()
             self._settle()

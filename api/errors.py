@@ -11,22 +11,22 @@
     ├── NotSupported           501  a v2 or Triton extension batchserve does not offer
     ├── ModelTimeout           504  the model call ran past the runner's `batch_timeout_ms`
     └── Unavailable            503  try again later; answered with `Retry-After`
-        ├── RunnerUnavailable       the runner process is down, restarting or unreachable
-        ├── SloRefused              the runner refused: it cannot answer within its latency limit
+        ├── RunnerUnavailable       the runner process is draining: it stops or restarts
+        ├── SloRefused              the runner refused: its queue cannot answer within the limit
         ├── Overloaded              the API worker is behind and sheds load at the front
         └── Stopping                the server is draining before it exits
 
 Every 503 carries a `reason`, the label it is counted under in
-`batchserve_unavailable_total`: `refused`, `expired` and `stopping` are the runner's own answers
-(the same reasons as its `batchserve_rejections_total`), and `stopping` is also an API worker's
-answer while it drains; `shed` is the API worker's front shedding; `unreachable` a runner
-process that is down, went away or did not answer; `late` a request whose deadline passed
-before it was sent to a runner.
+`batchserve_unavailable_total`: `queue` (refused at arrival), `expired` and `draining` are the
+runner's own answers (the same reasons as its `batchserve_rejections_total`), and `draining`
+is also an API worker's answer while it drains; `front` is the API worker's own shedding;
+`unreachable` a runner process that is down, not connected, went away or did not answer;
+`late` a request whose deadline passed before it was sent to a runner.
 
 Library code raises these; one handler, `error_response`, turns any exception into the
 JSON body `{"error": "..."}` and its headers, so every route answers errors the same way. A
 503's body also names its `reason` and the numbers behind it, as
-`{"error": "...", "reason": "shed", "lag_ms": 212.0}`.
+`{"error": "...", "reason": "front", "lag_ms": 212.0}`.
 """
 
 from __future__ import annotations
@@ -155,10 +155,10 @@ class Unavailable(BatchserveError):
 class RunnerUnavailable(Unavailable):
     def __init__(self, runner: str, retry_after: float = 1.0) -> None:
         super().__init__(
-            f"runner {runner!r} is not available (its process is down or restarting); "
+            f"runner {runner!r} is not available (its process is stopping or restarting); "
             "retry shortly",
             retry_after,
-            "stopping",
+            "draining",
         )
         self.runner = runner
 
@@ -173,19 +173,19 @@ class SloRefused(Unavailable):
             f"runner {runner!r} refused the request: it cannot be answered within the "
             "runner's latency limit; retry later",
             retry_after,
-            "refused",
+            "queue",
             details,
         )
         self.runner = runner
 
 
 class Overloaded(Unavailable):
-    """Shed at the front; `why` says how the worker is behind (its `reason` is `shed`)."""
+    """Shed at the front; `why` says how the worker is behind (its `reason` is `front`)."""
 
     def __init__(self, why: str, retry_after: float = 1.0,
                  details: Mapping[str, float] | None = None) -> None:
         super().__init__(f"the server is overloaded ({why}); retry later", retry_after,
-                         "shed", details)
+                         "front", details)
 
 
 class Stopping(Unavailable):
@@ -193,7 +193,7 @@ class Stopping(Unavailable):
     so a client's next request opens a fresh one (to a server that still serves)."""
 
     def __init__(self, why: str = "the server is stopping; retry shortly") -> None:
-        super().__init__(why, 1.0, "stopping")
+        super().__init__(why, 1.0, "draining")
 
 
 _JSON = "application/json"

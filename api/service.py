@@ -13,7 +13,7 @@ Errors of every kind leave through `error_response`. Every answer is counted onc
 `batchserve_unavailable_total` by its reason (see `batchserve.api.errors`).
 
 Draining (`Service.stop`, called by the worker on SIGTERM): readiness turns 503 at once, new
-inference requests are answered 503 (`stopping`) before any work, and the requests already
+inference requests are answered 503 (`draining`) before any work, and the requests already
 accepted go on until they are answered (`Service.idle`) or the grace period ends, when those
 still waiting on a runner are answered 503 (`Service.abandon`).
 """
@@ -65,7 +65,7 @@ request_duration = Histogram(
 requests_total = Counter(
     "batchserve_requests_total", "Inference requests answered", ["runner", "code"]
 )
-UNAVAILABLE_REASONS = ("refused", "expired", "stopping", "shed", "unreachable", "late")
+UNAVAILABLE_REASONS = ("queue", "front", "draining", "expired", "unreachable", "late")
 unavailable_total = Counter(
     "batchserve_unavailable_total", "Inference requests answered 503, by why", ["runner", "reason"]
 )

@@ -8,7 +8,7 @@ the inference route taken off its ASGI path; the worker's main loop sleeps until
 comes, where uvicorn's wakes ten times a second.
 
 A stop signal does not close the socket at once, as uvicorn would: the worker goes on
-accepting and answers every new request 503 (`stopping`) while the requests it holds finish,
+accepting and answers every new request 503 (`draining`) while the requests it holds finish,
 so a client is told to go elsewhere instead of waiting in a queue nobody reads. When they are
 answered, or `timeouts.drain_s` has passed, uvicorn's own shutdown runs in what remains of
 that grace period, and the worker exits 0. A second signal exits at once.

@@ -72,9 +72,9 @@ Started = Callable[[], None]
 """Told when a request's batch (or one of its pieces') goes to the model."""
 
 _REJECTION_REASONS = {
-    FailureCode.REFUSED: "refused",
+    FailureCode.REFUSED: "queue",
     FailureCode.EXPIRED: "expired",
-    FailureCode.STOPPING: "stopping",
+    FailureCode.STOPPING: "draining",
 }
 """The metric reason for each failure a client gets as a 503 (model errors are 500s)."""
 

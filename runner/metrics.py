@@ -123,11 +123,11 @@ batch_cpu = Histogram(
 )
 rejections = Counter(
     "batchserve_rejections_total",
-    "Whole requests the runner answered 503 without running them, by reason: refused, "
-    "expired, stopping (a request cut into pieces counts once)",
+    "Whole requests the runner answered 503 without running them, by reason: queue "
+    "(refused at arrival), expired, draining (a request cut into pieces counts once)",
     ["runner", "reason"],
 )
-REJECTION_REASONS = ("refused", "expired", "stopping")
+REJECTION_REASONS = ("queue", "expired", "draining")
 starts = Counter(
     "batchserve_runner_starts_total", "Runner processes started (a restart counts again)",
     ["runner"],

@@ -375,21 +375,21 @@ def test_mean_batch_size_is_rows_over_batches_between_two_readings() -> None:
 
 REFUSALS = """
 # TYPE batchserve_unavailable_total counter
-batchserve_unavailable_total{{reason="shed",runner="mlp"}} {shed}
-batchserve_unavailable_total{{reason="refused",runner="mlp"}} {refused}
-batchserve_unavailable_total{{reason="shed",runner="other"}} 99.0
+batchserve_unavailable_total{{reason="front",runner="mlp"}} {shed}
+batchserve_unavailable_total{{reason="queue",runner="mlp"}} {refused}
+batchserve_unavailable_total{{reason="front",runner="other"}} 99.0
 """
 
 
 def test_refusals_are_the_servers_503s_by_reason_between_two_readings() -> None:
     before = Scrape.parse(REFUSALS.format(shed=10.0, refused=4.0))
     after = Scrape.parse(REFUSALS.format(shed=25.0, refused=4.0))
-    assert probe.refusals(before, after, "mlp") == {"shed": 15}
+    assert probe.refusals(before, after, "mlp") == {"front": 15}
     assert probe.refusals(before, before, "mlp") == {}
     assert probe.refusals(None, after, "mlp") is None  # a server without metrics
-    step = bench_report.Step("poisson", _report(Path()).steps[0].load, 2.0, {"shed": 15})
+    step = bench_report.Step("poisson", _report(Path()).steps[0].load, 2.0, {"front": 15})
     table = bench_report.markdown(bench_report.Report("u", "mlp", 1.0, "x", (step,)))
-    assert table.splitlines()[4].endswith("| shed 15 |")
+    assert table.splitlines()[4].endswith("| front 15 |")
 
 
 def test_latency_limit_is_read_once_however_many_runner_processes_state_it() -> None:

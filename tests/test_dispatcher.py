@@ -201,7 +201,7 @@ async def test_a_refused_request_is_answered_at_once_with_a_retry_hint() -> None
 
 async def test_a_refused_request_counts_once_however_many_pieces_it_was_cut_into() -> None:
     def refused() -> float:
-        labels = {"runner": "test-dispatcher", "reason": "refused"}
+        labels = {"runner": "test-dispatcher", "reason": "queue"}
         return REGISTRY.get_sample_value("batchserve_rejections_total", labels) or 0.0
 
     d = dispatcher(Gate(), Refuser(4), max_batch_size=4)

@@ -114,12 +114,12 @@ def test_sigterm_finishes_requests_in_flight_refuses_new_ones_and_exits_0(
     assert [answer.status_code for answer in late] == [503] * LATE
     for answer in late:
         assert answer.json() == {"error": "the server is stopping; retry shortly",
-                                 "reason": "stopping"}
+                                 "reason": "draining"}
         assert answer.headers["retry-after"] == "1"
         assert answer.headers["connection"] == "close"
     assert model_ready.status_code == 503
     assert sample(metrics, "batchserve_unavailable_total", runner="gated",
-                  reason="stopping") == LATE
+                  reason="draining") == LATE
     assert sample(metrics, "batchserve_requests_total", runner="gated", code="503") == LATE
     assert_every_process_exited_0(server, children)
     with pytest.raises(httpx.ConnectError):  # the port is closed now: refused, not left waiting

@@ -40,7 +40,7 @@ from batchserve.api.errors import (
         (
             RunnerUnavailable("mlp"),
             503,
-            "runner 'mlp' is not available (its process is down or restarting); retry shortly",
+            "runner 'mlp' is not available (its process is stopping or restarting); retry shortly",
         ),
         (
             SloRefused("mlp"),
@@ -66,12 +66,12 @@ def test_status_and_message(error: BatchserveError, status: int, message: str) -
 @pytest.mark.parametrize(
     ("error", "reason", "details"),
     [
-        (Overloaded("this API worker runs 212 ms behind", details={"lag_ms": 212.0}), "shed",
+        (Overloaded("this API worker runs 212 ms behind", details={"lag_ms": 212.0}), "front",
          {"lag_ms": 212.0}),
-        (SloRefused("mlp"), "refused", {}),
+        (SloRefused("mlp"), "queue", {}),
         (SloRefused("mlp", 1.0, {"predicted_ms": 142.0, "deadline_ms": 100.0, "rows_ahead": 180}),
-         "refused", {"predicted_ms": 142.0, "deadline_ms": 100.0, "rows_ahead": 180}),
-        (Stopping(), "stopping", {}),
+         "queue", {"predicted_ms": 142.0, "deadline_ms": 100.0, "rows_ahead": 180}),
+        (Stopping(), "draining", {}),
     ],
 )
 def test_a_503_body_names_its_reason_and_the_numbers_behind_it(

@@ -97,7 +97,7 @@ def test_a_deadline_the_queue_ahead_cannot_meet_is_refused_at_once_with_retry_af
     with server.client() as client:
         metrics = client.get("/metrics").text
     # Refused by prediction at arrival: only the first request's batch ever ran.
-    assert sample(metrics, "batchserve_rejections_total", runner="slow", reason="refused") == 3
+    assert sample(metrics, "batchserve_rejections_total", runner="slow", reason="queue") == 3
     assert sample(metrics, "batchserve_adaptive_batch_size_count", runner="slow") == 1
 
 
@@ -223,5 +223,5 @@ def test_a_request_may_shorten_its_own_deadline_with_the_timeout_parameter(
     assert relaxed.status_code == 200
     # 300 ms of model for a client that allows 50: refused at once, before any compute.
     assert hurried.status_code == 503 and hurried.headers["retry-after"].isdigit()
-    assert sample(metrics, "batchserve_rejections_total", runner="slow", reason="refused") == 1
+    assert sample(metrics, "batchserve_rejections_total", runner="slow", reason="queue") == 1
     assert sample(metrics, "batchserve_adaptive_batch_size_count", runner="slow") == 1

@@ -120,7 +120,7 @@ def mismatches(server: Server, seen: collections.Counter[int], logs: Path) -> li
     unavailable = total(samples, "batchserve_unavailable_total")
     if unavailable != seen[503]:
         problems.append(f"unavailable_total {unavailable} != {seen[503]} 503s")
-    for reason in ("refused", "expired", "stopping"):
+    for reason in ("queue", "expired", "draining"):
         runner = total(samples, "batchserve_rejections_total", reason=reason)
         api = total(samples, "batchserve_unavailable_total", reason=reason)
         if runner != api:
@@ -153,7 +153,7 @@ def test_counters_add_up_across_two_workers_and_a_replaced_runner(
     assert seen[200] and seen[503] and not seen[NO_ANSWER], seen
     settle(lambda: mismatches(server, seen, logs))  # the batch log is flushed every second
     samples = scrape(server)
-    assert total(samples, "batchserve_rejections_total", reason="refused") > 0
+    assert total(samples, "batchserve_rejections_total", reason="queue") > 0
     assert total(samples, "batchserve_rejections_total", reason="expired") > 0
 
     killed = server.runners()[0]
@@ -317,7 +317,7 @@ def test_prometheus_with_the_shipped_config_evaluates_every_panel_and_alert(
         assert not empty, empty
         reasons = {series["metric"]["reason"] for series in query(  # type: ignore[index]
             url, "sum by (reason) (batchserve_unavailable_total) > 0")}
-        assert {"refused", "expired"} <= reasons
+        assert {"queue", "expired"} <= reasons
     finally:
         forcing.clear()
         loader.join(30)

@@ -164,7 +164,7 @@ async def test_a_shedding_worker_answers_503_with_retry_after_before_reading_the
     assert answer.headers["retry-after"] == "1"
     assert answer.json() == {
         "error": "the server is overloaded (this API worker runs 12 ms behind); retry later",
-        "reason": "shed", "lag_ms": 12.3,
+        "reason": "front", "lag_ms": 12.3,
     }
     assert unknown.status_code == 404  # a wrong URL is still told what is wrong
     assert app.service.inflight == 1

@@ -21,7 +21,7 @@ on is still read from this one object.
 A stop in time (SIGTERM to the supervisor at t = 0):
 
     0                      API workers: readiness and new requests 503; requests held finish
-    ≤ drain_s              API workers exit (whatever is still waiting gets 503 "stopping")
+    ≤ drain_s              API workers exit (whatever is still waiting gets 503 "draining")
     ≤ kill_after_s         an API worker still alive is killed; the port is closed
     then ≤ drain_s more    runners finish what they hold and exit
     ≤ 2 × kill_after_s     the supervisor exits
