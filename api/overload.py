@@ -28,6 +28,9 @@ DRAIN_TARGETS = 10.0
 """How many lag targets behind the loop counts as far behind (see `Shedder.drain_s`)."""
 FORGOTTEN = 0.001
 """A gate's share below this is no share at all: the runner stopped refusing."""
+MOST_SHED = 0.95
+"""The largest share either controller turns away: some requests always reach the runner, so
+the share keeps being measured against what it does."""
 ENGAGED = 0.1
 """A gate refuses nothing while its share is below this (some five refusals in quick
 succession): a few refusals are the runner's own decisions at the margin, a stalled batch
@@ -65,7 +68,7 @@ class Shedder:
     ticks: int = 5
     rise_per_s: float = 5.0
     fall_per_s: float = 1.0
-    ceiling: float = 0.95
+    ceiling: float = MOST_SHED
     period_s: float = 0.01
     share: float = 0.0
     lag_s: float = 0.0
@@ -126,7 +129,7 @@ class Gate:
 
     step: float = 0.02
     tau_s: float = 0.1
-    ceiling: float = 0.95
+    ceiling: float = MOST_SHED
     share: float = 0.0
     at: float = 0.0
 
@@ -150,6 +153,15 @@ class Gate:
     def admits(self, draw: float, now: float) -> bool:
         """Whether a request with a uniform `draw` in [0, 1) goes on to the runner."""
         return self.share < ENGAGED or draw >= self.shares(now)
+
+
+def backlog_s(share: float, behind_s: float) -> float:
+    """How long the work a shedding worker refuses takes to serve, for its Retry-After: while
+    it turns away `share` of what arrives and keeps up with the rest, each second refuses
+    `share / (1 - share)` seconds of the work it can do (1 s at half the traffic shed, 4 s at
+    four fifths), which the refused clients bring back; and the loop is `behind_s` late."""
+    share = min(share, MOST_SHED)
+    return share / (1.0 - share) + behind_s
 
 
 async def watch(

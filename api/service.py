@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from prometheus_client import Counter, Gauge, Histogram
 
 from ..runner.core.config import Config, RunnerConfig
+from ..runner.core.retry import retry_after_s
 from ..runner.core.security import Credentials
 from ..runner.core.timeouts import Timeouts
 from ..runner.core.types import Tensors
@@ -49,7 +50,7 @@ from .errors import (
     Unavailable,
     error_response,
 )
-from .overload import Gate, Shedder
+from .overload import Gate, Shedder, backlog_s
 from .reserve import Reserve
 
 log = logging.getLogger("batchserve.api.app")
@@ -118,7 +119,7 @@ def infer_target(path: str) -> tuple[str, str | None] | None:
 def _failure_error(runner: str, failure: RunnerFailure) -> BatchserveError:
     """What a runner's failure code means to an HTTP client."""
     detail = failure.failure
-    retry = max(detail.retry_after_s, Timeouts.RETRY_AFTER_S)
+    retry = retry_after_s(detail.retry_after_s)
     if detail.code == FailureCode.INVALID:
         return BadRequest(detail.message)
     if detail.code == FailureCode.REFUSED:
@@ -231,6 +232,7 @@ class Service:
         whatever share the controllers still hold."""
         if self.inflight > self.config.api.max_inflight:
             raise Overloaded(f"{self.inflight - 1} requests in flight in this API worker",
+                             self.front_retry_s(runner, time.monotonic()),
                              details={"inflight": self.inflight - 1})
         if self.inflight == 1:  # this request alone
             return
@@ -238,12 +240,20 @@ class Service:
         if shedder.share and not shedder.admits(random.random(), now := time.monotonic()):
             lag_ms = round(shedder.behind_s(now) * 1000, 1)
             raise Overloaded(f"this API worker runs {lag_ms:.0f} ms behind",
-                             details={"lag_ms": lag_ms})
+                             self.front_retry_s(runner, now), details={"lag_ms": lag_ms})
         gate = self.gates[runner]
         if (gate.share and self.waiting[runner]
-                and not gate.admits(random.random(), time.monotonic())):
+                and not gate.admits(random.random(), now := time.monotonic())):
             raise Overloaded(f"runner {runner!r} refuses {100 * gate.share:.0f}% of what "
-                             "comes now", details={"refused_share": round(gate.share, 3)})
+                             "comes now", self.front_retry_s(runner, now),
+                             details={"refused_share": round(gate.share, 3)})
+
+    def front_retry_s(self, runner: str, now: float) -> float:
+        """Retry-After of a front shed: the backlog that the share this worker turns away
+        now (for its lag or for the runner's refusals) adds up to (`overload.backlog_s`)."""
+        shedder = self.shedder
+        share = max(shedder.share, self.gates[runner].shares(now))
+        return retry_after_s(backlog_s(share, shedder.behind_s(now)))
 
     def observe(self, runner: str, status: int, started: float, reason: str) -> None:
         """Count one answer, and a 503 once more by its reason. A 200, and any answer while

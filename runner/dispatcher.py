@@ -362,6 +362,8 @@ class Dispatcher:
             retry = max(self.max_latency_s, Timeouts.RETRY_FLOOR_S)
             why = self.policy.refusal()
             predicted_s, ahead = (why.predicted_finish - now, why.rows_ahead) if why else (0.0, 0)
+            if why is not None and why.retry_after_s > 0.0:  # when the backlog could drain
+                retry = why.retry_after_s
             self._answer(ident, Rejection(
                 FailureCode.REFUSED,
                 f"runner {self.runner.name!r} cannot answer within its deadline now",

@@ -180,7 +180,7 @@ async def test_a_request_whose_deadline_passes_in_the_queue_is_expired_unrun(
 
 class Refuser(GreedyPolicy):
     def offer(self, request: Request, now: float) -> bool:
-        self.why = Refusal(now + 0.5, 7)
+        self.why = Refusal(now + 0.5, 7, 3.0)
         return False
 
     def refusal(self) -> Refusal | None:
@@ -193,7 +193,7 @@ async def test_a_refused_request_is_answered_at_once_with_a_retry_hint() -> None
     await d.start()
     answer = await ask(d, rows(1))
     assert isinstance(answer, Rejection) and answer.code == FailureCode.REFUSED
-    assert answer.retry_after_s > 0 and gate.batches == []
+    assert answer.retry_after_s == 3.0 and gate.batches == []  # the policy's own
     # What the policy judged on, relative to the arrival: its predicted end, the deadline.
     assert answer.predicted_s == pytest.approx(0.5) and answer.rows_ahead == 7
     assert 0 < answer.deadline_s <= d.max_latency_s

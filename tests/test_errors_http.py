@@ -101,6 +101,27 @@ def test_a_deadline_the_queue_ahead_cannot_meet_is_refused_at_once_with_retry_af
     assert sample(metrics, "batchserve_adaptive_batch_size_count", runner="slow") == 1
 
 
+def test_an_overloaded_runner_answers_queue_with_a_retry_after_that_grows_with_its_backlog(
+    serve: object,
+) -> None:
+    """Every refusal adds its rows to the backlog its Retry-After covers: behind a 300 ms
+    batch of four rows, the first request of four refused is two batches of work (1 s), the
+    fifth six (2 s)."""
+    server: Server = serve(SLOW.format(latency_ms=500))  # type: ignore[operator]
+    four = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [4, 4], "data": [1.0] * 16}]}
+
+    def one(_: int) -> httpx.Response:
+        with server.client() as client:
+            return client.post("/v2/models/slow/infer", json=four)
+
+    with ThreadPoolExecutor(6) as pool:
+        refused = [answer for answer in pool.map(one, range(6)) if answer.status_code == 503]
+    assert len(refused) >= 3, [answer.text for answer in refused]
+    assert {answer.json()["reason"] for answer in refused} == {"queue"}
+    retries = sorted(int(answer.headers["retry-after"]) for answer in refused)
+    assert retries[0] < retries[-1], retries
+
+
 def test_rows_the_model_cannot_run_within_the_limit_even_idle_are_413_at_once(
     bundled: Server,
 ) -> None:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from batchserve.api.app import create_app
-from batchserve.api.overload import ENGAGED, Gate, Shedder, watch
+from batchserve.api.overload import ENGAGED, Gate, Shedder, backlog_s, watch
 from batchserve.runner.core.config import parse
 from tests.conftest import Server
 
@@ -161,13 +161,26 @@ async def test_a_shedding_worker_answers_503_with_retry_after_before_reading_the
     assert alone.json() == {"error": "no process of runner 'mlp' is reachable",
                             "reason": "unreachable"}
     assert answer.status_code == 503
-    assert answer.headers["retry-after"] == "1"
+    # Turning all away (counted as the most it ever sheds, 95%) refuses 19 s of work a second.
+    assert answer.headers["retry-after"] == "20"
     assert answer.json() == {
         "error": "the server is overloaded (this API worker runs 12 ms behind); retry later",
         "reason": "front", "lag_ms": 12.3,
     }
     assert unknown.status_code == 404  # a wrong URL is still told what is wrong
     assert app.service.inflight == 1
+
+
+@pytest.mark.parametrize(("share", "behind_s", "backlog"), [
+    (0.0, 0.0, 0.0),
+    (0.5, 0.0, 1.0),  # half turned away: a second of work refused every second
+    (0.8, 0.25, 4.25),  # four fifths: four seconds, and the loop a quarter second behind
+    (1.0, 0.0, 19.0),  # never more than the most a controller sheds
+])
+def test_a_front_sheds_backlog_is_the_work_its_share_refuses_a_second(
+    share: float, behind_s: float, backlog: float
+) -> None:
+    assert backlog_s(share, behind_s) == pytest.approx(backlog)
 
 
 def limits(*max_latency_ms: float) -> str:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from batchserve.runner.core.timeouts import Timeouts
 from batchserve.runner.policy.adaptive import AdaptivePolicy, best_cap
 from batchserve.runner.policy.base import Batch, GreedyPolicy, Request, Step
 from batchserve.runner.policy.baselines import BentoMLPolicy, FixedPolicy, NoBatchingPolicy
@@ -590,3 +591,58 @@ def test_the_heavy_tail_takes_at_most_half_the_time_left(tail_share: float) -> N
         assert not policy.offer(request(1, 0.0), 0.0)
     late = request(2, 0.0, slo=0.003)  # but the queue still counts: this one cannot make it
     assert not policy.offer(late, 0.0)
+
+
+def _slow() -> AdaptivePolicy:
+    """36 ms for a batch of its cap of 16: some 440 rows a second."""
+    return adaptive(intercept=0.02, slope=0.001, size=16)
+
+
+def _overload(policy: AdaptivePolicy, rows_per_s: float, seconds: float, start: float = 0.0,
+              first_id: int = 0) -> list[float]:
+    """One-row requests at `rows_per_s` from `start`, each batch taking what the fit says it
+    takes: the Retry-After of every refusal, in order."""
+    retries: list[float] = []
+    batch: Batch | None = None
+    ends = start
+    for i in range(round(rows_per_s * seconds)):
+        now = start + i / rows_per_s
+        if batch is not None and ends <= now:
+            policy.complete(batch, ends - policy.idle_time_s(batch.rows), ends)
+            batch = None
+        if not policy.offer(request(first_id + i, now), now):
+            why = policy.refusal()
+            assert why is not None
+            retries.append(why.retry_after_s)
+        if batch is None:
+            batch = policy.poll(now).batch
+            ends = now + policy.idle_time_s(batch.rows) if batch is not None else now
+    return retries
+
+
+def test_retry_after_is_the_time_the_refused_backlog_takes_and_grows_with_overload() -> None:
+    """At twice its capacity (the cap's rows per batch time) a runner refuses about a second
+    of its work every second: the backlog plus the work ahead take over a second, so 2 s; at
+    five times, four seconds of refused work a second: 5 s."""
+    capacity = 16 / _slow().drain_s(16)  # rows a second, in batches at the cap
+    twice = _overload(_slow(), 2 * capacity, 6.0)
+    five_times = _overload(_slow(), 5 * capacity, 6.0)
+    assert twice[0] == 1.0  # the backlog is one request
+    assert twice[-1] == 2.0
+    assert five_times[-1] == 5.0
+
+
+def test_retry_after_falls_back_to_a_second_once_the_refusals_stop() -> None:
+    policy = _slow()
+    capacity = 16 / policy.drain_s(16)
+    assert _overload(policy, 5 * capacity, 6.0)[-1] == 5.0
+    # Ten seconds later a burst of a hundred rows in 10 ms: the queue refuses most,
+    # but the backlog of the overload is forgotten.
+    burst = _overload(policy, 1e4, 0.01, start=16.0, first_id=10**6)
+    assert burst and burst[-1] == 1.0
+
+
+def test_retry_after_is_capped() -> None:
+    policy = _slow()
+    capacity = 16 / policy.drain_s(16)
+    assert max(_overload(policy, 100 * capacity, 0.5)) == Timeouts.RETRY_AFTER_MAX_S

@@ -121,8 +121,12 @@ class Timeouts:
     """How long a runner whose model thread never came back waits, after answering what it
     held, before it exits: time for those answers to reach their sockets."""
     RETRY_AFTER_S: ClassVar[float] = 1.0
-    """The least `Retry-After` an answer 503 carries (HTTP counts it in whole seconds), and
-    what a stopping runner suggests."""
+    """The least `Retry-After` an answer 503 carries (HTTP counts it in whole seconds, and 0
+    would invite a storm of retries), and what a stopping runner suggests."""
+    RETRY_AFTER_MAX_S: ClassVar[float] = 30.0
+    """The most `Retry-After` a 503 computes (`batchserve.runner.core.retry`): beyond it the
+    estimate is a guess about traffic that will have changed, and a client with a deadline
+    gives up rather than wait longer."""
     RETRY_FLOOR_S: ClassVar[float] = 0.001
     """The least retry hint a runner's refusal carries, for a runner with a tiny limit."""
     CALL_WAIT_S: ClassVar[float] = 3600.0

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from ..core.retry import retry_after_s
 from .base import Batch, PolicyStats, Reason, Refusal, Request, Step
 from .latency_model import Fit, LatencyModel, RecentQuantile, Timing, fit_samples
 from .state import Costs, Limits, Rates, Refits, Running, Waiting
@@ -57,7 +58,7 @@ class AdaptivePolicy:
         self.refused = 0
         self._waiting = Waiting()
         self._busy = Running()
-        self._rates = Rates.with_memory(tuning.rate_tau_s)
+        self._rates = Rates.with_memory(tuning.rate_tau_s, tuning.refused_memory_s)
         self._refits = Refits()
         # How long the model stands idle before a batch: between two run back to back the
         # loop has to see one end and the model thread to pick up the next; after a release
@@ -191,8 +192,7 @@ class AdaptivePolicy:
             finish = now + self._costs.fit.cost(request.rows)
             if finish <= request.deadline:
                 return True
-            self._refusal = Refusal(finish, 0)
-            return False
+            return self._refuse(request, finish, 0, now)
         if request.assured:  # the rest of a request cut into pieces that the rule above took
             return True
         deadline = request.deadline
@@ -200,11 +200,27 @@ class AdaptivePolicy:
         if finish <= deadline or self._stretch_next(request, now):
             return True
         running = busy.batch.rows if busy.batch is not None else 0
-        self._refusal = Refusal(finish, waiting.rows + running)
+        return self._refuse(request, finish, waiting.rows + running, now)
+
+    def _refuse(self, request: Request, finish: float, ahead: int, now: float) -> bool:
+        """Refuse `request`: keep what it was judged on, and count its rows in the refused
+        backlog that sets when its client should come back."""
+        refused = self._rates.refused
+        refused.add(now, request.rows)
+        backlog = refused.rate(now) * refused.tau_s
+        self._refusal = Refusal(finish, ahead, retry_after_s(self.drain_s(ahead + backlog)))
         return False
 
     def refusal(self) -> Refusal | None:
         return self._refusal
+
+    def drain_s(self, rows: float) -> float:
+        """How long the model takes to serve `rows` at full speed: batches at the cap, back to
+        back, as the fit predicts them now. Of the rows ahead plus the refused backlog, this
+        is when a refused client's retry could be served: sooner, it would find the same
+        queue, and the backlog's other clients back in it (docs/dispatcher.md, "Refusals")."""
+        cap = self.cap
+        return rows * self._costs.fit.mean(cap) / cap
 
     def promised_finish(
         self, rows: int, now: float, group: tuple[str, ...] = (), deadline: float = math.inf

@@ -77,10 +77,12 @@ class Step:
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """Why a policy refused a request, as it predicted: when the request would have finished
-    (on the clock, at the high quantile) and how many rows were ahead of it."""
+    (on the clock, at the high quantile) and how many rows were ahead of it; and in how many
+    whole seconds its client should try again (0: the policy does not say)."""
 
     predicted_finish: float
     rows_ahead: int
+    retry_after_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

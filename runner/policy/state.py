@@ -117,13 +117,16 @@ class Rates:
     """Rows admitted per second (refused rows never join a batch)."""
     admitted_now: RateEstimator
     """The same with a fifth of the memory, to see a step within milliseconds."""
+    refused: RateEstimator
+    """Rows refused per second, over `Tuning.refused_memory_s`: times that memory, the rows
+    refused lately, which their clients will bring back."""
     queue_wait_s: float = 0.0
     """The moving average of queue wait over released requests."""
 
     @classmethod
-    def with_memory(cls, tau_s: float) -> Rates:
+    def with_memory(cls, tau_s: float, refused_s: float) -> Rates:
         return cls(RateEstimator(tau_s), RateEstimator(tau_s), RateEstimator(tau_s),
-                   RateEstimator(tau_s / 5.0))
+                   RateEstimator(tau_s / 5.0), RateEstimator(refused_s))
 
 
 @dataclass(slots=True)

@@ -58,6 +58,9 @@ class Tuning:
     """Times each calibration size is run at start-up."""
     rate_tau_s: float = 0.1
     """Time constant of the arrival-rate estimates."""
+    refused_memory_s: float = 1.0
+    """How far back refused rows count as the backlog a refusal's Retry-After covers: one
+    second, the least Retry-After, so the backlog is what one round of retries brings back."""
     wait_memory: float = 0.05
     """Weight of the newest request in the moving average of queue wait."""
     refit_every: int = 16
