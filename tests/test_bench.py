@@ -43,7 +43,8 @@ APP = textwrap.dedent(
         return Response(b'{"ok": true}', media_type="application/json")
 
     async def busy(request):
-        return Response(b'{"error": "busy"}', status_code=503, headers={"Retry-After": "1"})
+        return Response(b'{"error": "busy", "reason": "front"}', status_code=503,
+                        headers={"Retry-After": "1"})
 
     async def alternate(request):
         # Every second request on a key is refused: the client must count exactly half.
@@ -230,6 +231,13 @@ def test_503_answers_are_errors_by_status(server: str) -> None:
     assert result.answered == result.sent and result.ok == 0
     assert result.error_fraction == {"503": 1.0}
     assert result.errors == 1.0
+    assert result.retry_after_by_reason == {"front": {"1": result.sent}}
+
+
+def test_a_503_without_a_reason_or_retry_after_counts_under_none(server: str) -> None:
+    result = _load(f"{server}/alternate/unnamed", seed=3)
+    refused = result.status_counts["503"]
+    assert refused > 0 and result.retry_after_by_reason == {"none": {"none": refused}}
 
 
 def test_errors_are_counted_exactly(server: str) -> None:
@@ -353,6 +361,35 @@ def test_parser_keeps_the_first_body_of_each_failed_status() -> None:
     assert samples == {400: b'{"error":"a"}'}
 
 
+def refused(reason: str, retry_after: str) -> bytes:
+    body = b'{"error":"no","reason":"%s"}' % reason.encode()
+    return (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: %s\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (retry_after.encode(), len(body), body))
+
+
+def test_parser_counts_each_503s_retry_after_by_the_reason_its_body_names() -> None:
+    retries: dict[str, dict[str, int]] = {}
+    parser = ResponseParser(retries=retries)
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi"
+    stream = (refused("queue", "2") + ok + refused("queue", "3") + refused("front", "1")
+              + refused("queue", "2"))
+    statuses = [status for i in range(0, len(stream), 7) for status in parser.feed(stream[i:i + 7])]
+    assert statuses == [503, 200, 503, 503, 503]
+    assert retries == {"queue": {"2": 2, "3": 1}, "front": {"1": 1}}
+
+
+def test_summary_orders_retry_afters_by_seconds_and_the_table_counts_them() -> None:
+    retries = {"queue": {"10": 1, "2": 5, "none": 1}, "front": {"1": 3}}
+    result = load_result.summarize(10.0, 1.0, [0.1] * 10, [503] * 10, [0.0] * 10, 1.0,
+                                   (1, 0), 0.0, retries=retries)
+    assert list(result.retry_after_by_reason) == ["front", "queue"]
+    assert list(result.retry_after_by_reason["queue"]) == ["2", "10", "none"]
+    step = bench_report.Step("poisson", result, None, {"front": 3, "queue": 7})
+    table = bench_report.markdown(bench_report.Report("u", "mlp", 1.0, "x", (step,)))
+    assert table.splitlines()[4].endswith(
+        "| front 3, queue 7 | front 3×1 s; queue 5×2 s, 1×10 s, 1×none |")
+
+
 BATCHES = """\
 # TYPE batchserve_adaptive_batch_size histogram
 batchserve_adaptive_batch_size_sum{{method="__call__",runner="mlp"}} {rows}
@@ -389,7 +426,7 @@ def test_refusals_are_the_servers_503s_by_reason_between_two_readings() -> None:
     assert probe.refusals(None, after, "mlp") is None  # a server without metrics
     step = bench_report.Step("poisson", _report(Path()).steps[0].load, 2.0, {"front": 15})
     table = bench_report.markdown(bench_report.Report("u", "mlp", 1.0, "x", (step,)))
-    assert table.splitlines()[4].endswith("| front 15 |")
+    assert table.splitlines()[4].endswith("| front 15 | none |")
 
 
 def test_latency_limit_is_read_once_however_many_runner_processes_state_it() -> None:
@@ -421,7 +458,7 @@ def test_markdown_has_a_row_per_rate(tmp_path: Path) -> None:
     assert lines[0] == "http://h model mlp: goodput counts 2xx answers within 100 ms (--limit-ms)."
     assert lines[2].startswith("| pattern | offered req/s | sent req/s | ok req/s | 2xx | 503 |")
     assert lines[4] == ("| poisson | 20.0 | 20.0 | 20.0 | 20 | 0 | 0 | 5.0 | 5.0 | 5.0 | - | - "
-                        "| 20.0 | 2.0 | - |")
+                        "| 20.0 | 2.0 | - | none |")
     assert len(lines) == 6
 
 
@@ -501,6 +538,7 @@ def test_a_sweep_reports_rates_statuses_goodput_and_batches(
         assert 0 < step["goodput"] <= step["good"] / 1.5
         assert step["mean_batch_size"] >= 1.0
         assert step["refusals_by_reason"] == {}  # batchserve counted no 503
+        assert step["retry_after_by_reason"] == {}  # and the client received none
         assert step["ok_p50_ms"] <= step["ok_p90_ms"] <= step["ok_p99_ms"]
     table = paths["md"].read_text()
     assert captured.out == table

@@ -2,13 +2,20 @@
 
 The generator sends the same pre-encoded request over and over and needs from each answer
 only its status, so it carries its own request encoder and a response parser that reads the
-status line and `Content-Length` and nothing else.
+status line and `Content-Length`, and of a 503 its `Retry-After` and the `reason` its body
+names, and nothing else.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+import orjson
+
+RetryAfters = dict[str, dict[str, int]]
+"""The Retry-After values of 503s by the reason their bodies name, counted by value:
+`{"queue": {"2": 150, "3": 12}}`; `"none"` for a 503 without the header, or a reason not named."""
 
 
 class ProtocolError(Exception):
@@ -54,19 +61,24 @@ class ResponseParser:
     Bodies are framed by ``Content-Length`` (what uvicorn sends for Starlette responses);
     chunked or close-delimited bodies raise :class:`ProtocolError`. When given ``samples``, the
     parser keeps there the start of the first body of each status of 300 or more: the one
-    thing a user needs to see when every request fails, at no cost while they succeed.
+    thing a user needs to see when every request fails, at no cost while they succeed. When
+    given ``retries``, it counts there each 503's Retry-After by the reason its body names.
     """
 
-    __slots__ = ("_buf", "_status", "_remaining", "keep_alive", "_samples")
+    __slots__ = ("_buf", "_status", "_remaining", "keep_alive", "_samples", "_retries",
+                 "_retry_after")
 
     SAMPLE_BYTES = 500
 
-    def __init__(self, samples: dict[int, bytes] | None = None) -> None:
+    def __init__(self, samples: dict[int, bytes] | None = None,
+                 retries: RetryAfters | None = None) -> None:
         self._buf = bytearray()
         self._status = 0
         self._remaining = -1  # -1: waiting for the head; >= 0: body bytes still to come
         self.keep_alive = True
         self._samples = samples
+        self._retries = retries
+        self._retry_after = "none"  # the Retry-After of the response being read
 
     def feed(self, data: bytes) -> list[int]:
         """Consume bytes; return the statuses of the responses they completed."""
@@ -79,6 +91,8 @@ class ResponseParser:
                 return done
             if self._status >= 300 and self._samples is not None:
                 self._keep_sample()
+            if self._status == 503 and self._retries is not None:
+                self._count_retry()
             del self._buf[: self._remaining]
             self._remaining = -1
             done.append(self._status)
@@ -87,6 +101,12 @@ class ResponseParser:
         if self._samples is not None and self._status not in self._samples:
             size = min(self._remaining, self.SAMPLE_BYTES)
             self._samples[self._status] = bytes(self._buf[:size])
+
+    def _count_retry(self) -> None:
+        assert self._retries is not None
+        reason = _reason(bytes(self._buf[: self._remaining]))
+        values = self._retries.setdefault(reason, {})
+        values[self._retry_after] = values.get(self._retry_after, 0) + 1
 
     def _parse_head(self) -> bool:
         end = self._buf.find(b"\r\n\r\n")
@@ -103,11 +123,14 @@ class ResponseParser:
 
     def _body_length(self, header_lines: list[bytes]) -> int:
         length = -1
+        self._retry_after = "none"
         for line in header_lines:
             name, _, value = line.partition(b":")
             name = name.strip().lower()
             if name == b"content-length":
                 length = int(value)
+            elif name == b"retry-after":
+                self._retry_after = value.strip().decode("latin-1")
             elif name == b"transfer-encoding":
                 raise ProtocolError(f"unsupported transfer-encoding {value.strip()!r}")
             elif name == b"connection" and value.strip().lower() == b"close":
@@ -117,3 +140,12 @@ class ResponseParser:
         if self._status in (204, 304) or 100 <= self._status < 200:
             return 0
         raise ProtocolError("response without Content-Length")
+
+
+def _reason(body: bytes) -> str:
+    """The `reason` a 503's JSON body names (batchserve's do), else "none"."""
+    try:
+        reason = orjson.loads(body).get("reason")
+    except (orjson.JSONDecodeError, AttributeError):
+        return "none"
+    return reason if isinstance(reason, str) else "none"

@@ -64,7 +64,8 @@ class LoadResult:
     ``achieved_rate`` is 2xx answers per second and ``goodput`` the good ones per second, both
     over the run or until its last answer, whichever is longer. ``status_counts`` counts every
     outcome by status name, and ``error_samples`` keeps the start of the first body (or the
-    error message) of each failed status.
+    error message) of each failed status. ``retry_after_by_reason`` counts the 503s by the
+    reason each body names and the Retry-After it carried, `{"queue": {"2": 150}}`.
     """
 
     target_rate: float
@@ -97,6 +98,7 @@ class LoadResult:
     send_rate: float = 0.0
     status_counts: dict[str, int] = field(default_factory=dict)
     error_samples: dict[str, str] = field(default_factory=dict)
+    retry_after_by_reason: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -123,6 +125,7 @@ def summarize(
     slo_ms: float = 100.0,
     sends: Sends | None = None,
     samples: Mapping[str, str] | None = None,
+    retries: Mapping[str, Mapping[str, int]] | None = None,
 ) -> LoadResult:
     """Turn per-request records (seconds, statuses) into a :class:`LoadResult`."""
     sent = len(statuses)
@@ -167,4 +170,14 @@ def summarize(
         send_rate=sends.written / max(seconds, sends.last_s),
         status_counts=counts,
         error_samples=dict(samples or {}),
+        retry_after_by_reason={
+            reason: dict(sorted(values.items(), key=_seconds_first))
+            for reason, values in sorted((retries or {}).items())
+        },
     )
+
+
+def _seconds_first(item: tuple[str, int]) -> tuple[float, str]:
+    """Retry-After values in order of seconds; anything else (an HTTP date, "none") last."""
+    value = item[0]
+    return (float(value), value) if value.isdigit() else (math.inf, value)

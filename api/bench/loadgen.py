@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import cast
 
-from .http1 import ProtocolError, ResponseParser, Target
+from .http1 import ProtocolError, ResponseParser, RetryAfters, Target
 from .load_result import TIMEOUT, TRANSPORT_ERROR, LoadResult, Sends, status_name, summarize
 from .traffic import Pattern, schedule
 
@@ -53,7 +53,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, run: _Run) -> None:
         self._run = run
-        self._parser = ResponseParser(run.samples)
+        self._parser = ResponseParser(run.samples, run.retries)
         self.transport: asyncio.Transport | None = None
         self.in_flight = -1  # index of the request awaiting its answer
 
@@ -124,6 +124,7 @@ class _Run:
         self.written = 0
         self.last_write = 0.0
         self.samples: dict[int, bytes] = {}  # status -> start of its first body
+        self.retries: RetryAfters = {}  # each 503's Retry-After, by its reason
         self.transport_error = ""  # the first connection failure, said in words
         if n == 0:
             self.all_done.set()
@@ -345,6 +346,7 @@ async def run_load(
     return summarize(
         rate, seconds, run.latencies, run.statuses, run.lags, elapsed, peaks, cpu,
         slo_ms=slo_ms, sends=sends, samples=run.error_samples(drain_timeout),
+        retries=run.retries,
     )
 
 

@@ -2,7 +2,8 @@
 
 One :class:`Step` per rate of the sweep: what the client measured (a
 :class:`~batchserve.api.bench.load_result.LoadResult`) and what the server said it did (its mean
-batch size, its 503s by reason). The table keeps the columns a user compares across rates; the
+batch size, its 503s by reason), with the Retry-After of each 503 the client received by
+the reason its body names. The table keeps the columns a user compares across rates; the
 JSON keeps everything.
 """
 
@@ -66,7 +67,7 @@ class Report:
 COLUMNS = (
     "pattern", "offered req/s", "sent req/s", "ok req/s", "2xx", "503", "other",
     "p50 ms", "p90 ms", "p99 ms", "503 p50 ms", "503 p99 ms", "goodput req/s", "mean batch",
-    "503 by reason",
+    "503 by reason", "Retry-After by reason",
 )
 
 
@@ -83,7 +84,7 @@ def _row(step: Step) -> tuple[str, ...]:
         f"{load.achieved_rate:.1f}", str(load.ok), str(refused), str(load.sent - load.ok - refused),
         _ms(load.ok_p50_ms), _ms(load.ok_p90_ms), _ms(load.ok_p99_ms),
         _ms(load.refused_p50_ms), _ms(load.refused_p99_ms), f"{load.goodput:.1f}", batch,
-        _reasons(step.refusals),
+        _reasons(step.refusals), _retry_afters(load.retry_after_by_reason),
     )
 
 
@@ -91,6 +92,20 @@ def _reasons(refusals: dict[str, int] | None) -> str:
     if refusals is None:
         return "-"
     return ", ".join(f"{reason} {count}" for reason, count in refusals.items()) or "none"
+
+
+def _retry_afters(retries: dict[str, dict[str, int]]) -> str:
+    """`queue 150×2 s, 12×3 s; front 40×1 s`: how many 503s of each reason said each wait."""
+    if not retries:
+        return "none"
+    return "; ".join(
+        f"{reason} " + ", ".join(f"{count}×{_wait(value)}" for value, count in values.items())
+        for reason, values in retries.items()
+    )
+
+
+def _wait(value: str) -> str:
+    return f"{value} s" if value.isdigit() else value
 
 
 def markdown(report: Report) -> str:
