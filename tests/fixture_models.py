@@ -36,6 +36,14 @@ def slow_echo(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def napping_echo(x: np.ndarray) -> np.ndarray:
+    """Takes 40 ms a batch whatever its size, spent waiting, not computing: a server of it is
+    overloaded by a few dozen requests a second, which leaves the cores to what overload
+    costs (refusals and retries)."""
+    time.sleep(0.04)
+    return x
+
+
 def busy_echo(x: np.ndarray) -> np.ndarray:
     """Takes 5 ms a batch whatever its size: a server of it is easy to overload."""
     time.sleep(0.005)

@@ -11,8 +11,10 @@ import httpx
 import pytest
 
 from batchserve.api.app import create_app
+from batchserve.api.client.codec import ServerUnavailable
 from batchserve.api.overload import ENGAGED, Gate, Shedder, backlog_s, watch
 from batchserve.runner.core.config import parse
+from benchmarks import retrying
 from tests.conftest import Server
 
 pytestmark = pytest.mark.anyio
@@ -244,3 +246,35 @@ def test_requests_past_max_inflight_are_refused_and_the_connection_serves_on(
         "the server is overloaded (2 requests in flight in this API worker); retry later"
     )
     assert served.status_code == 200
+
+
+def _refused(retry_after: str) -> httpx.Response:
+    return httpx.Response(503, headers={"Retry-After": retry_after},
+                          json={"error": "busy", "reason": "queue"})
+
+
+def test_a_retrying_client_waits_what_the_server_says_or_a_fixed_second() -> None:
+    assert retrying.wait_s("honour", _refused("3"), 5.0) == 3.0
+    assert retrying.wait_s("fixed-1s", _refused("3"), 5.0) == 1.0
+    assert retrying.wait_s("honour", httpx.Response(200), 5.0) is None
+    with pytest.raises(ServerUnavailable):  # the wait would pass the bound: given up
+        retrying.wait_s("honour", _refused("3"), 2.0)
+    assert retrying.wait_s("fixed-1s", _refused("3"), 2.0) == 1.0
+
+
+def test_the_retrying_comparison_accounts_for_every_request(serve: object) -> None:
+    """Both variants over one short schedule at three times the capacity: each fresh request
+    ends once (answered, given up or failed), and every retry followed a 503 it met."""
+    server: Server = serve(retrying.CONFIG)  # type: ignore[operator]
+    outcomes = asyncio.run(retrying.compare(server.url, 3 * retrying.CAPACITY_RPS, 1.5,
+                                            give_up_s=2.0, pause_s=0.5))
+    assert [outcome.variant for outcome in outcomes] == ["fixed-1s", "honour"]
+    fresh = outcomes[0].fresh
+    for outcome in outcomes:
+        assert outcome.fresh == fresh > 0
+        assert outcome.succeeded + outcome.gave_up + outcome.failed == fresh
+        assert outcome.first_try <= outcome.succeeded == len(outcome.to_success_s)
+        met = sum(sum(values.values()) for values in outcome.retry_after.values())
+        assert outcome.sent - fresh <= met, outcome.retry_after
+        assert "queue" in outcome.retry_after, outcome.retry_after
+        assert retrying.table([outcome]).count("\n| ") == 1
