@@ -129,9 +129,11 @@ class Result:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """A call answered without tensors. A refusal (REFUSED) also says what it was judged on:
-    when the call was predicted to finish and its deadline, both in seconds after it reached
-    the runner, and the rows ahead of it; zero otherwise."""
+    """A call answered without tensors, and when to try again (`retry_after_s`: for a
+    refusal, the time the runner's backlog needs, see `batchserve.runner.core.retry`). A
+    refusal (REFUSED) also says what it was judged on: when the call was predicted to finish
+    and its deadline, both in seconds after it reached the runner, and the rows ahead of it;
+    zero otherwise."""
 
     id: int
     code: FailureCode
