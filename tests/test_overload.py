@@ -274,6 +274,7 @@ def test_the_retrying_comparison_accounts_for_every_request(serve: object) -> No
         assert outcome.fresh == fresh > 0
         assert outcome.succeeded + outcome.gave_up + outcome.failed == fresh
         assert outcome.first_try <= outcome.succeeded == len(outcome.to_success_s)
+        assert len(outcome.answered_at_s) == outcome.succeeded
         met = sum(sum(values.values()) for values in outcome.retry_after.values())
         assert outcome.sent - fresh <= met, outcome.retry_after
         assert "queue" in outcome.retry_after, outcome.retry_after
