@@ -162,13 +162,13 @@ def test_a_sweep_goes_on_past_one_failure_and_stops_after_two() -> None:
     client = FakeClient(1600, passes_again=2400)  # a noisy miss at 2,000
     runs = sweep(client, "", [1200, 1600, 2000, 2400, 2800, 3200, 4000], 1.0)
     assert client.tried == [1200, 1600, 2000, 2400, 2800, 3200]
-    checked = Check("fake", 1, 2000.0, tuple(runs), planned=2640.0)
+    checked = Check("fake", 1, 2000.0, tuple(runs), planned=2640.0, client_ms=0.35)
     assert checked.passed_rate == 2400
     assert checked.against(checked.capacity) == pytest.approx(2000 / 2400)
-    assert "| fake | 1 | 2,000 | 2,640 | 2,400 | 0.83 | 1.10 |" in markdown([checked])
+    assert "| fake | 1 | 2,000 | 2,640 | 2,400 | 0.83 | 1.10 | 0.35 |" in markdown([checked])
 
 
 def test_a_sweep_where_nothing_passes_has_no_ratio() -> None:
     checked = Check("fake", 2, 2000.0, tuple(sweep(FakeClient(0), "", [1, 2, 3], 1.0)))
     assert checked.passed_rate is None and checked.against(checked.capacity) is None
-    assert "| fake | 2 | 2,000 | none | none | - | - |" in markdown([checked])
+    assert "| fake | 2 | 2,000 | none | none | - | - | 0.00 |" in markdown([checked])

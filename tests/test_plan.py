@@ -4,6 +4,7 @@ costs, the command line end to end, and a live server's latency model read from 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,23 @@ def test_demand_at_or_over_the_cores_cannot_be_carried() -> None:
     machine = Machine(cores=2, front_s=0.001, batch_s=0.002, client_s=0.0005, busy_cores=0.5)
     assert machine.demand(1000.0, 100.0, 0.25) == pytest.approx(0.5 + 1.5 + 0.2 + 0.25)
     assert machine.stretch(2.0) == float("inf")
+
+
+def test_a_load_generator_here_is_one_queue_that_adds_its_wait_and_saturates() -> None:
+    machine = Machine(cores=2, front_s=0.0, client_s=0.0005)
+    assert Machine(cores=2, front_s=0.0).client_wait_s(1000.0, 1.0) == 0.0  # none here
+    assert machine.client_wait_s(10.0, 1.0) == 0.0  # rarely waits: no p99 wait
+    # At 1,000 req/s it is busy half the time: p99 wait ln(50) / (2,000 - 1,000) s.
+    assert machine.client_wait_s(1000.0, 1.0) == pytest.approx(math.log(50.0) / 1000.0)
+    assert machine.client_wait_s(1000.0, 1.5) > machine.client_wait_s(1000.0, 1.0)
+    assert machine.client_wait_s(2000.0, 1.0) == float("inf")  # it cannot keep up
+
+
+def test_a_client_on_the_same_cores_bounds_what_passes() -> None:
+    alone = plan_setting(inputs(Machine(cores=2, front_s=0.0001)), Setting(1, 64), 1000.0)
+    beside = plan_setting(inputs(Machine(cores=2, front_s=0.0001, client_s=0.001)),
+                          Setting(1, 64), 1000.0)
+    assert beside.passing_rps < 1000.0 < alone.passing_rps
 
 
 # --- traffic --------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ Two things the simulator alone does not know (docs/performance.md, "Planning cap
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -64,6 +65,20 @@ class Machine:
         per_request = self.front_s + self.client_s
         return self.busy_cores + rate * per_request + batches_per_s * self.batch_s \
             + model_cpu_per_s
+
+    def client_wait_s(self, rate: float, stretch: float) -> float:
+        """The p99 of how late a load generator on this machine sends: it is one process (one
+        event loop), a queue of its own whose service is its CPU per request, slowed like any
+        other work; infinite when it cannot keep up. Latency counts from when a request was
+        due, so this is in every answer's. The waiting time of an M/M/1 queue exceeds `t`
+        with chance `u * exp(-(1/service - rate) * t)`, `u` its utilization."""
+        service = self.client_s * stretch
+        if service <= 0.0:
+            return 0.0
+        busy = rate * service
+        if busy >= 1.0:
+            return float("inf")
+        return max(0.0, math.log(100.0 * busy)) / (1.0 / service - rate)
 
     def stretch(self, demand: float) -> float:
         """Wall time over CPU time of a batch: the mean time in an M/M/c queue over the service
@@ -256,7 +271,8 @@ def _point(inputs: Inputs, setting: Setting, rate: float, result: Result,
            demand: float) -> Point:
     stretch = inputs.machine.stretch(demand)
     refused = result.rejected / result.requests if result.requests else 0.0
-    p99_ms = result.p99_ms + inputs.machine.front_s * stretch * 1000.0
+    p99_ms = result.p99_ms + (inputs.machine.front_s * stretch
+                              + inputs.machine.client_wait_s(rate, stretch)) * 1000.0
     passed = p99_ms <= inputs.limit_ms and refused < MAX_FAILED
     return Point(rate, result.goodput_rps * setting.processes, p99_ms, refused,
                  demand / inputs.machine.cores, stretch, result.mean_batch_size, passed)
