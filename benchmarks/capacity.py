@@ -54,6 +54,7 @@ class Check:
     capacity: float
     sweep: tuple[RunResult, ...]
     planned: float | None = None
+    client_ms: float = 0.0  # the client's CPU per request over the sweep, told to the plan
 
     @property
     def passed_rate(self) -> float | None:
@@ -119,7 +120,7 @@ def check(client: Client, args: argparse.Namespace, processes: int) -> Check:
         del os.environ["BATCHSERVE_BATCH_LOG"]
     client_ms = 1000 * sum(r.client_cpu_s for r in runs) / max(sum(r.sent for r in runs), 1)
     plan = planned(batches, run_args.config, processes, client_ms)
-    return Check(client.name, processes, capacity, runs, plan)
+    return Check(client.name, processes, capacity, runs, plan, client_ms)
 
 
 def _rate(rate: float | None) -> str:
@@ -132,13 +133,14 @@ def _ratio(ratio: float | None) -> str:
 
 def markdown(checks: Sequence[Check], read_rate: float = 800.0) -> str:
     lines = [f"| client | runner processes | capacity read at {read_rate:,.0f} req/s | "
-             "plan | highest rate passed | capacity / passed | plan / passed |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "plan | highest rate passed | capacity / passed | plan / passed | "
+             "client CPU ms/req |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for c in checks:
         lines.append(
             f"| {c.client} | {c.processes} | {c.capacity:,.0f} | {_rate(c.planned)} | "
             f"{_rate(c.passed_rate)} | {_ratio(c.against(c.capacity))} | "
-            f"{_ratio(c.against(c.planned))} |")
+            f"{_ratio(c.against(c.planned))} | {c.client_ms:.2f} |")
     return "\n".join(lines)
 
 
