@@ -22,6 +22,9 @@ from .policy.capacity import Load
 TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 MIN_REQUESTS = 20
 """Fewer requests than this in a span say too little about their cost: no reading."""
+LONGEST_SPAN_S = 2.0
+"""A span longer than this held a pause in the traffic (readings come about once a second
+while it flows): its idle cores and its cost per request are the pause's, so it is dropped."""
 
 
 def machine_idle_s() -> float | None:
@@ -88,13 +91,14 @@ class LoadMeter:
 
     def read(self) -> Load | None:
         """What the span since the last reading measured; None when it saw too few requests
-        (the span then runs on)."""
+        (the span then runs on), or when it held a pause (a new span starts now)."""
         if self.requests - self._last[3] < MIN_REQUESTS:
             return None
         now = self._totals()
         wall, cpu, idle, requests, rows, model_cpu, front, offered = (
             b - a for a, b in zip(self._last, now, strict=True))
-        if wall <= 0.0:
+        if wall <= 0.0 or wall > LONGEST_SPAN_S:
+            self._last = now
             return None
         known = now[2] >= 0.0 and self._last[2] >= 0.0
         self._last = now

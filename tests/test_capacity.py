@@ -9,7 +9,7 @@ import math
 import pytest
 
 from batchserve.api.service import FrontCost
-from batchserve.runner.load import MIN_REQUESTS, LoadMeter
+from batchserve.runner.load import LONGEST_SPAN_S, MIN_REQUESTS, LoadMeter
 from batchserve.runner.policy.capacity import Load, batch_within, capacity
 from batchserve.runner.policy.latency_model import Fit
 from batchserve.runner.server import _local
@@ -112,6 +112,20 @@ def test_a_span_with_too_few_requests_runs_on_without_reading_the_clocks() -> No
     meter.batch(1, 1, 0.0)
     load = meter.read()
     assert load is not None and load.rows_per_request == 1.0
+
+
+def test_a_span_that_held_a_pause_is_dropped_and_the_next_starts_after_it() -> None:
+    clocks = Clocks()
+    meter = clocks.meter()
+    meter.batch(MIN_REQUESTS, MIN_REQUESTS, 0.0)
+    clocks.wall, clocks.idle = LONGEST_SPAN_S + 5.0, 2 * (LONGEST_SPAN_S + 5.0)  # all idle
+    assert meter.read() is None
+    meter.batch(MIN_REQUESTS, MIN_REQUESTS, 0.0)
+    clocks.wall += 1.0
+    clocks.cpu += 0.5
+    load = meter.read()
+    assert load is not None
+    assert load.idle_cores == 0.0 and load.used_cores == pytest.approx(0.5)
 
 
 def test_without_a_machine_idle_clock_no_idle_core_is_counted() -> None:
