@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -104,6 +105,19 @@ def recovery(url: str, timeout_s: float = 10.0) -> float | None:
     return None
 
 
+@contextlib.contextmanager
+def fixture_server(args: argparse.Namespace, config: str, api_workers: int,
+                   prefix: str) -> Iterator[tuple[str, int]]:
+    """`serve` on `config`, whose models are `tests/fixture_models.py`'s: both are put in a
+    fresh folder (`prefix`...), with the server's log."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    shutil.copy(ROOT / "tests" / "fixture_models.py", folder / "fixture_models.py")
+    (folder / "configuration.yml").write_text(config)
+    args.config, args.port, args.api_workers = folder / "configuration.yml", 0, api_workers
+    with serve(args, folder / "server.log", cwd=ROOT) as served:
+        yield served
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--times", type=float, default=3.0, help="offered load over capacity")
@@ -111,11 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    folder = Path(tempfile.mkdtemp(prefix="batchserve-overload-"))
-    shutil.copy(ROOT / "tests" / "fixture_models.py", folder / "fixture_models.py")
-    (folder / "configuration.yml").write_text(CONFIG)
-    args.config, args.port, args.api_workers = folder / "configuration.yml", 0, 2
-    with serve(args, folder / "server.log", cwd=ROOT) as (url, root), \
+    with fixture_server(args, CONFIG, 2, "batchserve-overload-") as (url, root), \
             asyncio.Runner(loop_factory=loop_factory()) as runner:
         target = f"{url}/v2/models/busy/infer"
         headers = {"Content-Type": "application/json"}

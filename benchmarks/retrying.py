@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,11 +38,10 @@ import orjson
 
 from batchserve.api.bench.load_result import percentile
 from batchserve.api.bench.loadgen import loop_factory
-from batchserve.api.bench.server import serve
 from batchserve.api.bench.traffic import schedule
 from batchserve.api.client.codec import ServerError, ServerUnavailable, check_answer
+from benchmarks.overload import fixture_server
 
-ROOT = Path(__file__).resolve().parent.parent
 CAPACITY_RPS = 25.0  # one row per 40 ms batch
 LIMIT_MS = 200.0
 MODEL = "napping"
@@ -214,12 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    folder = Path(tempfile.mkdtemp(prefix="batchserve-retrying-"))
-    shutil.copy(ROOT / "tests" / "fixture_models.py", folder / "fixture_models.py")
-    (folder / "configuration.yml").write_text(CONFIG)
-    args.config, args.port, args.api_workers = folder / "configuration.yml", 0, 1
     rate = args.times * CAPACITY_RPS
-    with serve(args, folder / "server.log", cwd=ROOT) as (url, _), \
+    with fixture_server(args, CONFIG, 1, "batchserve-retrying-") as (url, _), \
             asyncio.Runner(loop_factory=loop_factory()) as runner:
         outcomes = runner.run(compare(url, rate, args.seconds, args.give_up,
                                       pause_s=args.pause, seed=args.seed))
