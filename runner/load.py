@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .core.cores import usable_cores
 from .policy.capacity import Load
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -36,19 +37,6 @@ def machine_idle_s() -> float | None:
     if len(fields) < 6 or fields[0] != "cpu":
         return None
     return (int(fields[4]) + int(fields[5])) / TICKS_PER_S  # idle and iowait
-
-
-def usable_cores() -> float:
-    """The cores this process may run on: its affinity, bounded by a cgroup v2 CPU quota."""
-    cores = float(len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else (
-        float(os.cpu_count() or 1))
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-    except (OSError, ValueError):
-        return cores
-    if quota == "max":
-        return cores
-    return min(cores, int(quota) / int(period))
 
 
 class LoadMeter:

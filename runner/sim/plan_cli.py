@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import urllib.request
@@ -24,6 +23,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..core.config import Config, ConfigError, RunnerConfig, load
+from ..core.cores import usable_cores
 from ..core.pyplot import PlotUnavailable
 from . import plan_plot
 from .plan import Inputs, Machine, Setting, SettingPlan, Traffic, cpu_only, plan, recommend
@@ -193,8 +193,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-sizes", metavar="M1,M2,...",
                         help="default: the runner's max_batch_size")
     machine = parser.add_argument_group("the machine")
-    machine.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
-                         help="cores the server runs on (default: this process's, %(default)s)")
+    machine.add_argument("--cores", type=int, default=max(1, int(usable_cores())),
+                         help="cores the server runs on (default: this process's, within its "
+                              "CPU quota: %(default)s)")
     machine.add_argument("--front-ms", type=float, default=FRONT_MS,
                          help="server CPU per request outside the model's batches "
                               "(default: %(default)s)")
