@@ -105,19 +105,16 @@ def check(client: Client, args: argparse.Namespace, processes: int) -> Check:
     batches.mkdir(parents=True)
     run_args = argparse.Namespace(**vars(args))
     run_args.config = config_with(processes, folder, args.config)
-    os.environ["BATCHSERVE_BATCH_LOG"] = str(batches)  # the server started next inherits it
-    try:
-        with serve(run_args, folder / "server.log", cwd=ROOT) as (base, _):
-            url = f"{base}/v2/models/{RUNNER}/infer"
-            client.run(url, 200.0, 3.0, seed=999)
-            client.run(url, args.read_rate, args.seconds, seed=1)
-            capacity = fetch(base).total(CAPACITY, runner=RUNNER)
-            print(f"  {client.name}, {processes} process(es): capacity {capacity:.0f} req/s "
-                  f"read at {args.read_rate:g}", file=sys.stderr, flush=True)
-            rates = [float(r) for r in args.rates.split(",")]
-            runs = tuple(sweep(client, url, rates, args.seconds))
-    finally:
-        del os.environ["BATCHSERVE_BATCH_LOG"]
+    env = dict(os.environ, BATCHSERVE_BATCH_LOG=str(batches))
+    with serve(run_args, folder / "server.log", cwd=ROOT, env=env) as (base, _):
+        url = f"{base}/v2/models/{RUNNER}/infer"
+        client.run(url, 200.0, 3.0, seed=999)
+        client.run(url, args.read_rate, args.seconds, seed=1)
+        capacity = fetch(base).total(CAPACITY, runner=RUNNER)
+        print(f"  {client.name}, {processes} process(es): capacity {capacity:.0f} req/s "
+              f"read at {args.read_rate:g}", file=sys.stderr, flush=True)
+        rates = [float(r) for r in args.rates.split(",")]
+        runs = tuple(sweep(client, url, rates, args.seconds))
     client_ms = 1000 * sum(r.client_cpu_s for r in runs) / max(sum(r.sent for r in runs), 1)
     plan = planned(batches, run_args.config, processes, client_ms)
     return Check(client.name, processes, capacity, runs, plan, client_ms)
