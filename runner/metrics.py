@@ -205,10 +205,10 @@ class RunnerMetrics:
     """
 
     def __init__(self, runner: str, latency_limit_s: float = 0.0, max_batch: int = 1,
-                 processes: int = 1, load: LoadMeter | None = None) -> None:
+                 processes: int = 1) -> None:
         self.runner = runner
         self.latency_limit_s, self.max_batch = latency_limit_s, max_batch
-        self.load = LoadMeter(processes) if load is None else load
+        self.load = LoadMeter(processes)
         self.capacity_rps = 0.0
         self._capacity = capacity_rate.labels(runner)
         self._utilization = utilization.labels(runner)
