@@ -133,14 +133,15 @@ class OwnClient:
 # -- the shared aiohttp generator
 
 
-def from_shared(line: dict[str, object], rate: float, seconds: float) -> RunResult:
-    """A :class:`RunResult` from the shared loadgen's JSON line."""
+def from_shared(line: dict[str, object], rate: float, seconds: float,
+                client: str = "shared") -> RunResult:
+    """A :class:`RunResult` from a shared client's JSON line."""
     sent, ok = int(line["sent"]), int(line["ok"])  # type: ignore[call-overload]
     refused = int(line["n_503"])  # type: ignore[call-overload]
     good_frac = float(line["good_frac"] or 0.0)  # type: ignore[arg-type]
     cpu_frac = float(line["client_cpu_frac"])  # type: ignore[arg-type]
     return RunResult(
-        client="shared", rate=rate, seconds=seconds, sent=sent, ok=ok, refused=refused,
+        client=client, rate=rate, seconds=seconds, sent=sent, ok=ok, refused=refused,
         other=sent - ok - refused, p50_ms=line["p50_ms"], p99_ms=line["p99_ms"],  # type: ignore[arg-type]
         refused_p99_ms=line["p99_503_ms"], send_lag_p99_ms=line["send_lag_p99_ms"],  # type: ignore[arg-type]
         good=round(good_frac * sent), client_cpu_s=cpu_frac * float(line["wall_s"]),  # type: ignore[arg-type]
@@ -149,20 +150,22 @@ def from_shared(line: dict[str, object], rate: float, seconds: float) -> RunResu
 
 
 class SharedClient:
-    """``loadgen.py`` from the shared tools, one subprocess per run, no warm-up requests."""
+    """A client from the shared tools (``loadgen.py`` unless told ``fastload.py``, which takes
+    the same arguments and prints the same line), one subprocess per run, no warm-up requests."""
 
-    name = "shared"
-
-    def __init__(self, script: Path, python: str = sys.executable, timeout: float = 2.0) -> None:
+    def __init__(self, script: Path, python: str = sys.executable, timeout: float = 2.0,
+                 name: str = "shared") -> None:
         if not script.is_file():
-            raise RuntimeError(f"shared loadgen not found at {script} (see --shared-loadgen)")
+            raise RuntimeError(f"shared client not found at {script}")
         self._script, self._python, self._timeout = script, python, timeout
+        self.name = name
 
     def _command(self, url: str, rate: float, seconds: float, seed: int) -> list[str]:
         return [
             self._python, str(self._script), "--url", url, "--body", SHARED_BODY,
             "--rate", f"{rate:g}", "--duration", f"{seconds:g}", "--slo-ms", f"{SLO_MS:g}",
-            "--timeout", f"{self._timeout:g}", "--warmup", "0", "--seed", str(seed),
+            "--timeout", f"{self._timeout:g}", "--seed", str(seed),
+            *(["--warmup", "0"] if self._script.name == "loadgen.py" else []),
         ]
 
     def _start(self, url: str, rate: float, seconds: float, seed: int) -> subprocess.Popen[str]:
@@ -178,7 +181,7 @@ class SharedClient:
 
     def run(self, url: str, rate: float, seconds: float, seed: int) -> RunResult:
         line = self._finish(self._start(url, rate, seconds, seed), seconds)
-        return from_shared(line, rate, seconds)
+        return from_shared(line, rate, seconds, self.name)
 
     def overload(
         self, url: str, high: tuple[float, float], low: tuple[float, float], gap: float, seed: int

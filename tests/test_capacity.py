@@ -179,10 +179,12 @@ def test_a_sweep_goes_on_past_one_failure_and_stops_after_two() -> None:
     checked = Check("fake", 1, 2000.0, tuple(runs), planned=2640.0, client_ms=0.35)
     assert checked.passed_rate == 2400
     assert checked.against(checked.capacity) == pytest.approx(2000 / 2400)
-    assert "| fake | 1 | 2,000 | 2,640 | 2,400 | 0.83 | 1.10 | 0.35 |" in markdown([checked])
+    assert checked.failed is not None and checked.failed.rate == 2800
+    assert ("| fake | 1 | 2,000 | 2,640 | 2,400 | 0.83 | 1.10 | 0.35 | 2,800: 500 ms, - |"
+            in markdown([checked]))
 
 
 def test_a_sweep_where_nothing_passes_has_no_ratio() -> None:
     checked = Check("fake", 2, 2000.0, tuple(sweep(FakeClient(0), "", [1, 2, 3], 1.0)))
     assert checked.passed_rate is None and checked.against(checked.capacity) is None
-    assert "| fake | 2 | 2,000 | none | none | - | - | 0.00 |" in markdown([checked])
+    assert "| fake | 2 | 2,000 | none | none | - | - | 0.00 | 1: 500 ms, - |" in markdown([checked])
