@@ -387,12 +387,30 @@ class Dispatcher:
                     f"the request's deadline passed while queued for {self.runner.name!r}",
                     self.max_latency_s,
                 ))
+        if step.refused:
+            self._refuse_oldest(step.refused, now)
         if step.batch is not None:
             self._launch(step.batch)
         self._arm(step.wake_at, now)
         if not self._busy and not self._jobs:
             self._idle.set()
             self.metrics.flush()  # a scrape after the last answer counts all of it
+
+    def _refuse_oldest(self, requests: tuple[Request, ...], now: float) -> None:
+        """Answer requests the policy let go from the head of its queue (`refuse: oldest`):
+        503 `queue`, with when to come back."""
+        why = self.policy.refusal()
+        retry = why.retry_after_s if why is not None and why.retry_after_s > 0.0 else max(
+            self.max_latency_s, Timeouts.RETRY_FLOOR_S)
+        ahead = why.rows_ahead if why is not None else 0
+        for request in requests:
+            predicted_s = why.predicted_finish - now if why is not None else 0.0
+            self._answer(request.id, Rejection(
+                FailureCode.REFUSED,
+                f"runner {self.runner.name!r} cannot answer this request within its deadline "
+                "now: it waited longest, and newer ones can still be served",
+                retry, predicted_s, request.deadline - now, ahead,
+            ))
 
     def _arm(self, wake_at: float | None, now: float) -> None:
         timer = self._timer

@@ -213,10 +213,12 @@ def build_policy(runner: RunnerConfig) -> Policy:
     if not batching.enabled:
         return make_policy("none", runner.max_cost, latency_s)
     if runner.layout == "rows":
-        return make_policy("adaptive", batching.max_batch_size, latency_s)
+        return make_policy("adaptive", batching.max_batch_size, latency_s,
+                           refuse=batching.refuse)
     # Sized in elements, capped in elements and, by max_batch_size, in requests.
     return make_policy(
-        "adaptive", runner.max_cost, latency_s, max_requests=batching.max_batch_size
+        "adaptive", runner.max_cost, latency_s, max_requests=batching.max_batch_size,
+        refuse=batching.refuse,
     )
 
 

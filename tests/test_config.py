@@ -28,7 +28,7 @@ BAD = {
     "unknown key": (
         GOOD.replace("max_batch_size: 100", "max_batch_size: 100\n      max_batch: 3"),
         "runners.iris_clf.batching.max_batch is not a known key; known keys are: enabled, "
-        "max_batch_elements, max_batch_size, max_latency_ms",
+        "max_batch_elements, max_batch_size, max_latency_ms, refuse",
     ),
     "wrong type": (
         GOOD.replace("max_batch_size: 100", "max_batch_size: lots"),
@@ -37,6 +37,11 @@ BAD = {
     "negative latency": (
         GOOD.replace("max_latency_ms: 500", "max_latency_ms: -5"),
         "runners.iris_clf.batching.max_latency_ms has value -5; it must be a positive number",
+    ),
+    "unknown refusal mode": (
+        GOOD.replace("max_latency_ms: 500", "max_latency_ms: 500\n      refuse: newest"),
+        "runners.iris_clf.batching.refuse has value 'newest'; it must be one of at_arrival, "
+        "oldest",
     ),
     "missing model": (
         GOOD.replace("    model: batchserve.runner.bundled:iris_classifier\n", ""),

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
 import yaml
@@ -22,10 +22,19 @@ from .timeouts import Timeouts
 from .types import DATATYPES
 from .wire import ADDRESS_FORMS, Address
 
+T = TypeVar("T")
+
 Choice = Literal["random", "least_loaded_of_two"]
 """How an API worker picks one of a runner's connected processes for a request (the
 implementations are in `batchserve.api.choice`)."""
 CHOICES: tuple[Choice, ...] = get_args(Choice)
+
+Refuse = Literal["at_arrival", "oldest"]
+"""When a runner that cannot serve every request on time says so: each request as it arrives
+(`at_arrival`: its 503 comes at once), or, admitting all, the oldest requests when the model
+frees and their batch would end past their deadline (`oldest`: more answers on time on a tight
+limit, refusals that have waited about a batch). See docs/dispatcher.md, "Refusal modes"."""
+REFUSE_MODES: tuple[Refuse, ...] = get_args(Refuse)
 
 
 class ConfigError(ValueError):
@@ -85,6 +94,7 @@ class Batching:
     max_batch_size: int = 64
     max_latency_ms: float = 100.0
     max_batch_elements: int | None = None  # the cap in elements, for ragged or pad inputs
+    refuse: Refuse = "at_arrival"
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +319,8 @@ def _inputs(key: str, value: Any) -> tuple[TensorSpec, ...]:
 
 def _batching(key: str, value: Any) -> Batching:
     raw = _mapping(
-        key, value, {"enabled", "max_batch_size", "max_latency_ms", "max_batch_elements"}
+        key, value,
+        {"enabled", "max_batch_size", "max_latency_ms", "max_batch_elements", "refuse"},
     )
     default = Batching()
     elements = raw.get("max_batch_elements")
@@ -324,6 +335,7 @@ def _batching(key: str, value: Any) -> Batching:
         max_batch_elements=(
             None if elements is None else _int(f"{key}.max_batch_elements", elements, 1)
         ),
+        refuse=_one_of(f"{key}.refuse", raw.get("refuse", default.refuse), REFUSE_MODES),
     )
 
 
@@ -446,11 +458,11 @@ def _addresses(key: str, value: Any) -> tuple[Address, ...]:
     return tuple(addresses)
 
 
-def _choice(key: str, value: Any) -> Choice:
-    for choice in CHOICES:
-        if value == choice:
-            return choice
-    raise _fail(key, value, "one of " + ", ".join(CHOICES))
+def _one_of(key: str, value: Any, allowed: tuple[T, ...]) -> T:
+    for option in allowed:
+        if value == option:
+            return option
+    raise _fail(key, value, "one of " + ", ".join(map(str, allowed)))
 
 
 def _runner(key: str, name: str, value: Any) -> RunnerConfig:
@@ -470,7 +482,7 @@ def _runner(key: str, name: str, value: Any) -> RunnerConfig:
                           else _positive(f"{key}.batch_timeout_ms", raw["batch_timeout_ms"])),
         addresses=(_addresses(f"{key}.addresses", raw["addresses"]) if "addresses" in raw
                    else ()),
-        choice=_choice(f"{key}.choice", raw.get("choice", "random")),
+        choice=_one_of(f"{key}.choice", raw.get("choice", "random"), CHOICES),
     )
     batch_dim = _batch_dim(f"{key}.batch_dim", raw.get("batch_dim", [0, 0]), runner)
     _variable_length(key, runner)

@@ -11,13 +11,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.retry import retry_after_s
 from .base import Batch, PolicyStats, Reason, Refusal, Request, Step
 from .latency_model import Fit, LatencyModel, RecentQuantile, Timing, fit_samples
 from .state import Costs, Limits, Rates, Refits, Running, Waiting
 from .tuning import DEFAULT_TUNING, Tuning
+
+if TYPE_CHECKING:
+    from ..core.config import Refuse
 
 TAIL_INDEX = 3.0
 """How the heavy tail of batch times (the part of the high quantile beyond `k * spread`) adds
@@ -35,6 +38,11 @@ class AdaptivePolicy:
       (`target_rows`), in which case it waits at most `window_s`, and never so long that the
       earliest deadline in the queue is put at risk;
     - caps a batch at the size that maximises the rate of answers within the deadline.
+
+    With `refuse="oldest"` it admits every request instead, and refuses the oldest queued
+    requests once their batch, as the queue would make it, is predicted to end past their
+    deadline at the high quantile: when the model frees, or earlier, while a batch runs, when
+    even the next batch could not end in time (docs/dispatcher.md, "Refusal modes").
     """
 
     def __init__(
@@ -44,11 +52,15 @@ class AdaptivePolicy:
         tuning: Tuning = DEFAULT_TUNING,
         *,
         max_requests: int | None = None,
+        refuse: Refuse = "at_arrival",
     ) -> None:
         """`max_batch_size` caps a batch in the units requests are sized in (`Request.rows`:
         rows, or elements for ragged inputs); `max_requests`, if given, also caps how many
         requests one batch holds (a runner's `max_batch_size` when it counts elements)."""
+        if refuse not in ("at_arrival", "oldest"):
+            raise ValueError(f"refuse has value {refuse!r}; it must be at_arrival or oldest")
         self.limits = Limits(max_batch_size, max_latency_s, max_requests)
+        self.oldest = refuse == "oldest"
         self.tuning = tuning
         self.model = LatencyModel(tuning)
         # The decisions, as the last retune left them (see `stats`).
@@ -78,7 +90,10 @@ class AdaptivePolicy:
     def offer(self, request: Request, now: float) -> bool:
         self._rates.requests.add(now)
         self._rates.rows.add(now, request.rows)
-        if not self._admits(request, now):
+        if self.oldest:
+            if self._busy.batch is None and not self._waiting.requests:
+                self._waiting.probe = request.id
+        elif not self._admits(request, now):
             self.refused += 1
             return False
         self._waiting.add(request, self.cap)
@@ -89,18 +104,22 @@ class AdaptivePolicy:
     def poll(self, now: float) -> Step:
         expired = self._expire_head(now)
         queue, busy = self._waiting.requests, self._busy
+        refused, shed_at = self._shed_oldest(now) if self.oldest else ((), None)
         if busy.batch is not None:
-            return Step(expired=expired, wake_at=queue[0].deadline if queue else None)
+            wake_at = queue[0].deadline if queue else None
+            if shed_at is not None and wake_at is not None:
+                wake_at = min(wake_at, shed_at)
+            return Step(expired=expired, wake_at=wake_at, refused=refused)
         chained, busy.just_completed = busy.just_completed, False
         if not queue:
-            return Step(expired=expired)
+            return Step(expired=expired, refused=refused)
         self._retune(now)
         reason, wake_at = self._decide(now)
         if reason is None:
-            return Step(expired=expired, wake_at=wake_at)
+            return Step(expired=expired, wake_at=wake_at, refused=refused)
         batch, dropped = self._take(now, reason)
         busy.chained = chained and batch is not None
-        return Step(batch=batch, expired=expired + dropped)
+        return Step(batch=batch, expired=expired + dropped, refused=refused)
 
     def complete(
         self, batch: Batch, started: float, finished: float, cpu_s: float | None = None
@@ -415,6 +434,55 @@ class AdaptivePolicy:
 
     # --- decisions ------------------------------------------------------------------------
 
+    def _oldest_limit(self) -> int:
+        """The most rows a batch takes when refusing the oldest: the largest batch that ends
+        within the limit at the high quantile, at most `max_batch_size`; the drops find the
+        size the traffic fills by themselves (see `_shed_oldest`)."""
+        costs, limits = self._costs, self.limits
+        room_s = limits.max_latency_s - self._gaps.mean - costs.high_intercept_s
+        if costs.high_slope_s <= 0.0:
+            return limits.max_batch_size
+        return max(1, min(limits.max_batch_size, int(room_s / costs.high_slope_s)))
+
+    def _shed_oldest(self, now: float) -> tuple[tuple[Request, ...], float | None]:
+        """Refuse the oldest requests while the next batch, as the queue makes it, would end
+        past the oldest one's deadline at the high quantile; and when to look again if
+        nothing arrives (a batch running past its mean moves the next one's start).
+
+        Refusing the oldest moves the deadline that binds the batch to the next request's,
+        and shortens the batch by its rows, so one refusal is usually enough where refusing
+        a newer request instead would shorten the batch by only one row's time. In overload
+        the batch settles at the size whose rows the traffic brings within the limit, the
+        overload branch of `best_cap`, without rounding it. The probe (see `_admits`) is
+        never refused: its batch corrects a cost model that would refuse everything.
+        """
+        waiting, busy, fit = self._waiting, self._busy, self._costs.fit
+        queue = waiting.requests
+        if not queue:
+            return (), None
+        start = now if busy.batch is None else self._next_start(now)[0]
+        start += self._gaps.mean
+        limit = self._oldest_limit()
+        refused: list[Request] = []
+        while queue:
+            head = queue[0]
+            rows = min(limit, waiting.group_rows.get(head.group, head.rows))
+            finish = start + fit.high(rows)
+            if head.id == waiting.probe or finish <= head.deadline:
+                shed_at = head.deadline - (finish - start) - self._gaps.mean
+                break
+            queue.popleft()
+            waiting.forget(head)
+            refused.append(head)
+            self._rates.refused.add(now, head.rows)
+        else:
+            shed_at = None
+        if refused:
+            backlog = self._rates.refused.rate(now) * self._rates.refused.tau_s
+            ahead = waiting.rows + (busy.batch.rows if busy.batch is not None else 0)
+            self._refusal = Refusal(finish, ahead, retry_after_s(self.drain_s(ahead + backlog)))
+        return tuple(refused), shed_at
+
     def _expire_head(self, now: float) -> tuple[Request, ...]:
         queue = self._waiting.requests
         if not queue or queue[0].deadline > now:
@@ -451,6 +519,8 @@ class AdaptivePolicy:
         waiting, fit = self._waiting, self._costs.fit
         queue = waiting.requests
         limit = max(self.cap, waiting.next_rows)
+        if self.oldest:
+            limit = max(limit, self._oldest_limit())
         waiting.next_rows = 0
         if waiting.rows > limit and waiting.held_cap > limit:
             # Requests were admitted on the promise of a larger cap: keep it until they are out.

@@ -67,11 +67,14 @@ class Batch:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """What to do now: run `batch` (if any), refuse `expired`, and poll again by `wake_at`."""
+    """What to do now: run `batch` (if any), refuse `expired` (their deadline passed, or
+    their batch would surely end past it) and `refused` (let go before their deadline so
+    that newer requests are served: `refuse: oldest`), and poll again by `wake_at`."""
 
     batch: Batch | None = None
     expired: tuple[Request, ...] = ()
     wake_at: float | None = None
+    refused: tuple[Request, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

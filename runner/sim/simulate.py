@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from ..core.config import REFUSE_MODES
 from ..policy.base import Batch, Policy, Request
 from ..policy.latency_model import Timing
 from ..policy.policies import NAMES, make_policy
@@ -120,7 +121,13 @@ def simulate(
     traffic = arrivals(scenario, seed) if traffic is None else traffic
     timer = BatchTimer(noise, machine, [arrival for arrival, _ in traffic])
     trace = _run(policy, traffic, scenario, slo_s, timer)
-    return _result(scenario, policy_kind, trace, time.perf_counter() - wall)
+    return _result(scenario, label(policy_kind, policy_kw), trace, time.perf_counter() - wall)
+
+
+def label(policy_kind: str, policy_kw: dict[str, Any]) -> str:
+    """The name a result goes by: the policy's, and its refusal mode when not the default."""
+    refuse = policy_kw.get("refuse", "at_arrival")
+    return policy_kind if refuse == "at_arrival" else f"{policy_kind} ({refuse})"
 
 
 def _calibrate(policy: Policy, cost: Cost, noise: random.Random, machine: random.Random) -> None:
@@ -171,7 +178,7 @@ def _run(
         else:
             wake = inf
         step = policy.poll(now)
-        for request in step.expired:
+        for request in (*step.expired, *step.refused):
             trace.refusals.append((request, now))
         if step.batch is not None:
             if running is not None:
@@ -363,6 +370,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--window-ms", type=float, help="window of --policy fixed")
     parser.add_argument("--cap", type=int, help="batch cap of --policy fixed")
     parser.add_argument("--seed", type=int, help="override the scenario's seed")
+    parser.add_argument("--refuse", choices=REFUSE_MODES, default="at_arrival",
+                        help="when --policy adaptive refuses: at arrival, or the oldest")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -379,6 +388,10 @@ def main(argv: list[str]) -> int:
             kw["cap"] = args.cap
     elif args.window_ms is not None or args.cap is not None:
         parser.error("--window-ms and --cap apply to --policy fixed only")
+    if args.refuse != "at_arrival":
+        if args.policy != "adaptive":
+            parser.error("--refuse applies to --policy adaptive only")
+        kw["refuse"] = args.refuse
     try:
         scenario = load_scenario(args.scenario)
         result = simulate(scenario, args.policy, seed=args.seed, **kw)
