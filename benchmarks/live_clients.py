@@ -138,13 +138,16 @@ def from_shared(line: dict[str, object], rate: float, seconds: float,
     """A :class:`RunResult` from a shared client's JSON line."""
     sent, ok = int(line["sent"]), int(line["ok"])  # type: ignore[call-overload]
     refused = int(line["n_503"])  # type: ignore[call-overload]
-    good_frac = float(line["good_frac"] or 0.0)  # type: ignore[arg-type]
+    if "good_frac" in line:  # loadgen.py; fastload.py gives the rate of good answers instead
+        good = round(float(line["good_frac"] or 0.0) * sent)  # type: ignore[arg-type]
+    else:
+        good = round(float(line["goodput"] or 0.0) * seconds)  # type: ignore[arg-type]
     cpu_frac = float(line["client_cpu_frac"])  # type: ignore[arg-type]
     return RunResult(
         client=client, rate=rate, seconds=seconds, sent=sent, ok=ok, refused=refused,
         other=sent - ok - refused, p50_ms=line["p50_ms"], p99_ms=line["p99_ms"],  # type: ignore[arg-type]
         refused_p99_ms=line["p99_503_ms"], send_lag_p99_ms=line["send_lag_p99_ms"],  # type: ignore[arg-type]
-        good=round(good_frac * sent), client_cpu_s=cpu_frac * float(line["wall_s"]),  # type: ignore[arg-type]
+        good=good, client_cpu_s=cpu_frac * float(line["wall_s"]),  # type: ignore[arg-type]
         raw=line,
     )
 

@@ -29,6 +29,13 @@ def test_the_shared_loadgen_line_maps_to_a_run() -> None:
     assert run.client_cpu_s == 3.0
 
 
+def test_the_fastload_line_maps_to_a_run_of_its_name() -> None:
+    """fastload.py gives the rate of answers within the limit where loadgen.py gives a share."""
+    line = {k: v for k, v in SHARED_LINE.items() if k != "good_frac"} | {"goodput": 98.5}
+    run = from_shared(line, 100.0, 10.0, client="fastload")
+    assert run.client == "fastload" and run.good == 985 and run.ok == 990
+
+
 def test_a_run_passes_with_at_most_one_percent_non_ok_and_p99_within_100_ms() -> None:
     assert result().passed  # exactly 1% non-OK
     assert not result(ok=989).passed

@@ -646,3 +646,64 @@ def test_retry_after_is_capped() -> None:
     policy = _slow()
     capacity = 16 / policy.drain_s(16)
     assert max(_overload(policy, 100 * capacity, 0.5)) == Timeouts.RETRY_AFTER_MAX_S
+
+
+# --- refuse: oldest -----------------------------------------------------------------------
+
+
+def oldest(intercept: float = 0.045, slope: float = 0.0, size: int = 64) -> AdaptivePolicy:
+    policy = AdaptivePolicy(size, SLO, refuse="oldest")
+    policy.apply_fit(Fit(intercept_s=intercept, slope_s=slope, factor=1.0, samples=1))
+    return policy
+
+
+def test_refusing_the_oldest_admits_what_refusing_at_arrival_turns_away() -> None:
+    for mode, admitted in (("at_arrival", [True, True, True, False]),
+                           ("oldest", [True, True, True, True])):
+        policy = AdaptivePolicy(2, SLO, refuse=mode)  # type: ignore[arg-type]
+        policy.apply_fit(Fit(intercept_s=0.045, slope_s=0.0, factor=1.0, samples=1))
+        said = [policy.offer(request(0, 0.0), 0.0)]
+        assert policy.poll(0.0).batch is not None  # runs until 0.045
+        said += [policy.offer(request(i, 0.01 * i), 0.01 * i) for i in (1, 2, 3)]
+        assert said == admitted, mode
+
+
+def test_when_the_model_frees_the_oldest_its_batch_would_make_late_is_refused() -> None:
+    policy = oldest()
+    policy.offer(request(0, 0.0), 0.0)
+    running = policy.poll(0.0).batch
+    assert running is not None
+    first, second = request(1, 0.001), request(2, 0.02)
+    assert policy.offer(first, 0.001) and policy.offer(second, 0.02)
+    policy.complete(running, 0.0, 0.06)  # slow: the next batch ends at 0.105
+    step = policy.poll(0.06)
+    assert step.refused == (first,)  # due at 0.101: refused, not run late
+    assert step.batch is not None and step.batch.requests == (second,)
+    assert step.expired == ()
+    why = policy.refusal()
+    assert why is not None and why.retry_after_s >= 1.0
+
+
+def test_while_a_batch_runs_the_oldest_is_refused_once_the_next_batch_cannot_save_it() -> None:
+    """The refusal does not wait for the model: once the running batch overruns, the batch
+    after it would end past the request's deadline (0.13) from 0.085 on."""
+    policy = oldest()
+    policy.offer(request(0, 0.0), 0.0)
+    assert policy.poll(0.0).batch is not None  # mean end 0.045
+    late = request(1, 0.03)  # due 0.13
+    assert policy.offer(late, 0.03)
+    step = policy.poll(0.03)
+    assert step.refused == ()  # the next batch would end at 0.09: in time
+    assert step.wake_at == pytest.approx(0.13 - 0.045)  # when the overrun would doom it
+    assert policy.poll(0.084).refused == ()
+    assert policy.poll(0.086).refused == (late,)  # still running: 0.086 + 0.045 > 0.13
+
+
+def test_the_probe_is_never_refused_whatever_the_model_says() -> None:
+    """A cost model too slow for the limit would refuse everything and never learn better:
+    the request that finds the model idle runs."""
+    policy = oldest(intercept=0.5)
+    probe = request(0, 0.0)
+    assert policy.offer(probe, 0.0)
+    step = policy.poll(0.0)
+    assert step.refused == () and step.batch is not None and step.batch.requests == (probe,)
