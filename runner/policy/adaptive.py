@@ -445,43 +445,95 @@ class AdaptivePolicy:
         return max(1, min(limits.max_batch_size, int(room_s / costs.high_slope_s)))
 
     def _shed_oldest(self, now: float) -> tuple[tuple[Request, ...], float | None]:
-        """Refuse the oldest requests while the next batch, as the queue makes it, would end
-        past the oldest one's deadline at the high quantile; and when to look again if
-        nothing arrives (a batch running past its mean moves the next one's start).
+        """Refuse the oldest requests of the next batch, as the queue makes it, while it would
+        end past the oldest one's deadline, and likewise the oldest of each batch after it;
+        and when to look again if nothing arrives (a batch running past its mean moves the
+        next one's start). See docs/dispatcher.md, "Refusal modes".
 
         Refusing the oldest moves the deadline that binds the batch to the next request's,
         and shortens the batch by its rows, so one refusal is usually enough where refusing
         a newer request instead would shorten the batch by only one row's time. In overload
         the batch settles at the size whose rows the traffic brings within the limit, the
-        overload branch of `best_cap`, without rounding it. The probe (see `_admits`) is
-        never refused: its batch corrects a cost model that would refuse everything.
+        overload branch of `best_cap`, without rounding it. Judging the later batches too
+        refuses, as soon as the queue shows it, what waiting for the model would refuse a
+        batch or two later. The probe (see `_admits`) is never refused: its batch corrects
+        a cost model that would refuse everything.
         """
-        waiting, busy, fit = self._waiting, self._busy, self._costs.fit
+        waiting, busy = self._waiting, self._busy
         queue = waiting.requests
         if not queue:
             return (), None
-        start = now if busy.batch is None else self._next_start(now)[0]
-        start += self._gaps.mean
+        start = (now if busy.batch is None else self._next_start(now)[0]) + self._gaps.mean
         limit = self._oldest_limit()
         refused: list[Request] = []
-        while queue:
-            head = queue[0]
-            rows = min(limit, waiting.group_rows.get(head.group, head.rows))
-            finish = start + fit.high(rows)
-            if head.id == waiting.probe or finish <= head.deadline:
-                shed_at = head.deadline - (finish - start) - self._gaps.mean
+        rows, finish = self._shed_from(0, start, limit, refused, now)
+        shed_at = queue[0].deadline - (finish - start) - self._gaps.mean if queue else None
+        index, later = 0, start
+        while rows and waiting.only(queue[0].group):
+            index = self._batch_ends(index, rows, limit)
+            if index >= len(queue):
                 break
-            queue.popleft()
-            waiting.forget(head)
-            refused.append(head)
-            self._rates.refused.add(now, head.rows)
-        else:
-            shed_at = None
+            later += self._costs.fit.mean(rows) * self.tuning.shed_chain + self._gaps.mean
+            rows, _ = self._shed_from(index, later, limit, refused, now)
         if refused:
-            backlog = self._rates.refused.rate(now) * self._rates.refused.tau_s
+            rates = self._rates
+            for request in refused:
+                rates.refused.add(now, request.rows)
+            backlog = rates.refused.rate(now) * rates.refused.tau_s
             ahead = waiting.rows + (busy.batch.rows if busy.batch is not None else 0)
             self._refusal = Refusal(finish, ahead, retry_after_s(self.drain_s(ahead + backlog)))
         return tuple(refused), shed_at
+
+    def _shed_from(
+        self, index: int, start: float, limit: int, refused: list[Request], now: float
+    ) -> tuple[int, float]:
+        """Refuse the request at `index` while the batch it heads, starting at `start`, would
+        end past its deadline; the rows that batch then takes, and when it ends.
+
+        The batch is judged at its high quantile when more rows wait for it than it takes: a
+        refusal then lets a younger request in, one surely in time. When it takes every row
+        there is, refusing the oldest only shortens it by a row, and keeping a request that
+        is likely on time serves more (`Tuning.shed_alone_k`).
+        """
+        waiting, costs = self._waiting, self._costs
+        queue, fit = waiting.requests, costs.fit
+        normal = min(costs.margin, self.model.quantile_k * fit.spread)
+        alone = fit.factor - normal + self.tuning.shed_alone_k / self.model.quantile_k * normal
+        # Rows arriving before a later batch starts join it (FIFO); the next batch is judged
+        # on the rows queued now, and again when the model frees.
+        joining = self._rates.rows.rate(now) * (start - now) if index else 0.0
+        while index < len(queue):
+            head = queue[index]
+            behind = waiting.group_rows.get(head.group, head.rows) - self._rows_before(index)
+            rows = min(limit, behind + int(joining))
+            finish = start + fit.mean(rows) * (fit.factor if behind + joining > limit else alone)
+            if head.id == waiting.probe or finish <= head.deadline:
+                return rows, finish
+            del queue[index]
+            waiting.forget(head)
+            refused.append(head)
+        return 0, start
+
+    def _rows_before(self, index: int) -> int:
+        """The rows queued ahead of the request at `index` (0 or where a batch ends)."""
+        if index == 0:
+            return 0
+        queue = self._waiting.requests
+        if self._waiting.rows == len(queue):  # one row each: no need to count
+            return index
+        return sum(queue[i].rows for i in range(index))
+
+    def _batch_ends(self, first: int, rows: int, limit: int) -> int:
+        """The index of the first request after the batch that starts at index `first` and
+        takes `rows` (FIFO, whole requests, at most `limit` rows: as `_take` makes it)."""
+        queue = self._waiting.requests
+        if self._waiting.rows == len(queue):
+            return first + rows
+        taken, index = 0, first
+        while index < len(queue) and (index == first or taken + queue[index].rows <= limit):
+            taken += queue[index].rows
+            index += 1
+        return index
 
     def _expire_head(self, now: float) -> tuple[Request, ...]:
         queue = self._waiting.requests
