@@ -15,9 +15,12 @@ arrival schedule.
 
 Per mode, client and round it reports the requests sent; the shares answered 200 within the
 limit, 200 late, 503, and otherwise; the p99 of the 503s, the p50 and p99 of the 200s, the
-client's send lag p99, the server's mean batch and the 503s the server counted by reason
-(`batchserve_unavailable_total`, read from `/metrics` around the measured run). Every latency
-is the client's, from the request's **scheduled** send time.
+client's send lag p99, the server's mean batch and its answers other than 200: 503s by
+reason (`batchserve_unavailable_total`), other statuses (`batchserve_requests_total`), read
+from `/metrics` around the measured run. Every latency is the client's, from the request's
+**scheduled** send time. ``--json`` also keeps the runner's latency model and batch cap at the
+end of each run, and what one row costs the idle model by it (past the limit, the runner
+answers every request 413).
 
 The clients share the machine's two cores with the server. A client that sends late (its
 timer woke late, its event loop was busy) adds that lag to every latency it reports, and at a
@@ -46,6 +49,7 @@ import orjson
 from batchserve.api.bench.loadgen import loop_factory
 from batchserve.api.bench.scrape import Scrape, delta, fetch
 from batchserve.runner.core.config import Refuse
+from batchserve.runner.policy.latency_model import Fit
 from benchmarks.live_clients import Client, OwnClient, RunResult, SharedClient
 from benchmarks.live_report import num
 from benchmarks.live_table import replace_block
@@ -74,32 +78,63 @@ runners:
 """
 
 
+GAUGES = {
+    "intercept_s": "batchserve_latency_model_intercept_seconds",
+    "slope_s": "batchserve_latency_model_slope_seconds",
+    "stretch": "batchserve_latency_model_stretch",
+    "cap": "batchserve_dispatcher_batch_cap",
+    "window_s": "batchserve_dispatcher_window_seconds",
+}
+"""The runner's latency model and decisions, read at the end of a run (JSON only)."""
+
+
 @dataclass(frozen=True)
 class Server:
     """What the server counted during one measured run, from two readings of `/metrics`."""
 
+    codes: dict[str, float]  # answers by status
     unavailable: dict[str, float]  # 503s by reason, as the API workers answered them
     rejections: dict[str, float]  # the runner's own refusals by reason
     batches: int
     rows: int
+    model: dict[str, float]  # GAUGES at the end of the run
 
     @property
     def mean_batch(self) -> float | None:
         return self.rows / self.batches if self.batches else None
 
+    @property
+    def one_row_ms(self) -> float | None:
+        """What one row costs the idle model by its cost curve at the end of the run: past
+        the limit, the runner answers every request 413."""
+        model = self.model
+        if not {"intercept_s", "slope_s", "stretch"} <= model.keys():
+            return None
+        fit = Fit(model["intercept_s"], model["slope_s"], stretch=model["stretch"])
+        return fit.cost(1) * 1000
+
+    def non_ok(self) -> str:
+        """503s by reason, then any other status than 200, largest first."""
+        other = {f"status {code}": n for code, n in self.codes.items()
+                 if code not in ("200", "503")}
+        return reasons({**self.unavailable, **other})
+
 
 def server_window(before: Scrape, after: Scrape) -> Server:
-    def by_reason(name: str) -> dict[str, float]:
-        return delta(before.by_label(name, "reason", runner=MODEL),
-                     after.by_label(name, "reason", runner=MODEL))
+    def by(name: str, label: str) -> dict[str, float]:
+        return delta(before.by_label(name, label, runner=MODEL),
+                     after.by_label(name, label, runner=MODEL))
 
     def grown(name: str) -> int:
         return round(after.total(name, runner=MODEL) - before.total(name, runner=MODEL))
 
     size = "batchserve_adaptive_batch_size"
-    return Server(unavailable=by_reason("batchserve_unavailable_total"),
-                  rejections=by_reason("batchserve_rejections_total"),
-                  batches=grown(f"{size}_count"), rows=grown(f"{size}_sum"))
+    model = {key: after.maximum(name, runner=MODEL) for key, name in GAUGES.items()}
+    return Server(codes=by("batchserve_requests_total", "code"),
+                  unavailable=by("batchserve_unavailable_total", "reason"),
+                  rejections=by("batchserve_rejections_total", "reason"),
+                  batches=grown(f"{size}_count"), rows=grown(f"{size}_sum"),
+                  model={key: value for key, value in model.items() if value is not None})
 
 
 @dataclass(frozen=True)
@@ -136,15 +171,15 @@ class Run:
         cells = [self.mode, r.client, str(self.round), f"{r.sent:,}", percent(self.within),
                  percent(self.late), percent(self.refused), percent(self.other),
                  num(r.refused_p99_ms, 2), num(r.p50_ms, 2), num(r.p99_ms, 2),
-                 num(r.send_lag_p99_ms, 2), num(self.server.mean_batch),
-                 reasons(self.server.unavailable)]
+                 num(r.send_lag_p99_ms, 2), num(self.server.mean_batch), self.server.non_ok()]
         return "| " + " | ".join(cells) + " |"
 
     def as_dict(self) -> dict[str, object]:
         return {"mode": self.mode, "round": self.round, "within": self.within,
                 "late": self.late, "refused": self.refused, "other": self.other,
                 "result": self.result.as_dict(),
-                "server": {**asdict(self.server), "mean_batch": self.server.mean_batch}}
+                "server": {**asdict(self.server), "mean_batch": self.server.mean_batch,
+                           "one_row_ms": self.server.one_row_ms}}
 
 
 def percent(share: float | None) -> str:
@@ -159,7 +194,7 @@ def reasons(counts: Mapping[str, float]) -> str:
 
 HEAD = (f"| mode | client | round | sent | ≤ {LIMIT_MS:g} ms % | late % | 503 % | other % | "
         "503 p99 ms | OK p50 ms | OK p99 ms | send lag p99 ms | mean batch | "
-        "503s by server reason |\n" + "|---" * 3 + "|---:" * 10 + "|---|")
+        "server's non-200 answers |\n" + "|---" * 3 + "|---:" * 10 + "|---|")
 
 
 def table(runs: Sequence[Run]) -> str:

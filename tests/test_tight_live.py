@@ -36,8 +36,9 @@ def result(**changes: object) -> RunResult:
     return replace(from_shared(SHARED_LINE, 300.0, 20.0), **changes)  # type: ignore[arg-type]
 
 
-SERVER = Server(unavailable={"queue": 1400.0, "front": 80.0}, rejections={"queue": 1400.0},
-                batches=4000, rows=4500)
+SERVER = Server(codes={"200": 4500.0, "503": 1480.0}, unavailable={"queue": 1400.0, "front": 80.0},
+                rejections={"queue": 1400.0}, batches=4000, rows=4500,
+                model={"intercept_s": 0.0052, "slope_s": 0.0005, "stretch": 1.0})
 
 
 @pytest.mark.parametrize("mode", ["at_arrival", "oldest"])
@@ -97,8 +98,12 @@ def test_the_summary_gives_each_round_and_the_mean_per_mode_and_client() -> None
     ]
 
 
-def scrape(queue: int, front: int, batches: int, rows: int) -> Scrape:
+def scrape(queue: int, front: int, batches: int, rows: int, slope: float = 0.0005) -> Scrape:
     lines = [
+        f'batchserve_requests_total{{runner="{MODEL}",code="200"}} {rows}',
+        f'batchserve_requests_total{{runner="{MODEL}",code="503"}} {queue + front}',
+        f'batchserve_latency_model_slope_seconds{{runner="{MODEL}",pid="7"}} {slope}',
+        f'batchserve_dispatcher_batch_cap{{runner="{MODEL}",pid="7"}} 1',
         f'batchserve_unavailable_total{{runner="{MODEL}",reason="queue"}} {queue}',
         f'batchserve_unavailable_total{{runner="{MODEL}",reason="front"}} {front}',
         f'batchserve_unavailable_total{{runner="other",reason="queue"}} {queue * 7}',
@@ -110,11 +115,24 @@ def scrape(queue: int, front: int, batches: int, rows: int) -> Scrape:
 
 
 def test_the_server_window_is_what_grew_between_two_readings() -> None:
-    server = server_window(scrape(10, 5, 100, 120), scrape(410, 5, 1100, 1620))
-    assert server == Server(unavailable={"queue": 400.0}, rejections={"queue": 400.0},
-                            batches=1000, rows=1500)
+    server = server_window(scrape(10, 5, 100, 120), scrape(410, 5, 1100, 1620, 0.0006))
+    assert server == Server(codes={"200": 1500.0, "503": 400.0}, unavailable={"queue": 400.0},
+                            rejections={"queue": 400.0}, batches=1000, rows=1500,
+                            model={"slope_s": 0.0006, "cap": 1.0})  # the gauges at the end
     assert server.mean_batch == 1.5
-    assert Server({}, {}, 0, 0).mean_batch is None
+    assert Server({}, {}, {}, 0, 0, {}).mean_batch is None
+
+
+def test_other_statuses_than_200_and_503_join_the_reasons() -> None:
+    server = replace(SERVER, codes={"200": 10.0, "503": 1480.0, "413": 3594.0})
+    assert server.non_ok() == "status 413 3,594, queue 1,400, front 80"
+
+
+def test_what_one_row_costs_the_idle_model_is_read_from_the_gauges() -> None:
+    assert SERVER.one_row_ms == pytest.approx(5.7)
+    stretched = replace(SERVER, model={**SERVER.model, "stretch": 0.5})
+    assert stretched.one_row_ms == pytest.approx(11.4)  # the curve, without the contention
+    assert replace(SERVER, model={}).one_row_ms is None
 
 
 def test_the_shared_client_is_told_the_limit(tmp_path: Path) -> None:
