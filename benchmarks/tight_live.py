@@ -30,7 +30,7 @@ send lag column says how much of the budget the client itself took. The model sl
 the client's CPU takes from the server is the front's and the dispatcher's time, not the
 model's.
 
-About 5 minutes with the defaults. Run it from the repository root, under the bench lock on a
+About 3½ minutes with the defaults. Run it from the repository root, under the bench lock on a
 shared machine (``flock /tmp/batchserve-bench.lock python -m benchmarks.tight_live``).
 """
 
