@@ -50,6 +50,14 @@ def busy_echo(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def paced_rows(x: np.ndarray) -> np.ndarray:
+    """Each row's first value, after 5 ms plus 0.5 ms a row per batch spent waiting, not
+    computing: the simulator's `tight_12ms` cost, leaving the cores to the front and the
+    clients. The answer is one value a row, so encoding it costs the front little."""
+    time.sleep(0.005 + 0.0005 * x.shape[0])
+    return x[:, :1]
+
+
 def stall_echo(x: np.ndarray) -> np.ndarray:
     """Echoes its input; a batch holding a -1 stalls for 200 ms first, one holding a -2 for a
     second (faults injected)."""
