@@ -105,7 +105,7 @@ class Server:
 
     @property
     def one_row_ms(self) -> float | None:
-        """What one row costs the idle model by its cost curve at the end of the run: past
+        """What one row costs the idle model by its latency model at the end of the run: past
         the limit, the runner answers every request 413."""
         model = self.model
         if not {"intercept_s", "slope_s", "stretch"} <= model.keys():

@@ -707,3 +707,19 @@ def test_the_probe_is_never_refused_whatever_the_model_says() -> None:
     assert policy.offer(probe, 0.0)
     step = policy.poll(0.0)
     assert step.refused == () and step.batch is not None and step.batch.requests == (probe,)
+
+
+def test_an_idle_model_runs_a_request_its_curve_from_a_busy_spell_would_refuse() -> None:
+    """A model that waits is fitted on wall time: after a busy spell its curve sits above what
+    batches take, the stretch below 1 (a live runner read 5.57 ms + 0.52 ms a row at a
+    stretch of 0.47). Read as the idle cost that curve makes one row 12.9 ms, over a 12 ms
+    limit: every request was refused, the idle model's too, and nothing could correct it."""
+    for mode in ("at_arrival", "oldest"):
+        policy = AdaptivePolicy(64, 0.012, refuse=mode)  # type: ignore[arg-type]
+        policy.apply_fit(Fit(intercept_s=0.00557, slope_s=0.00052, factor=1.1, samples=300,
+                             stretch=0.47))
+        assert policy.idle_time_s(1) == pytest.approx(0.00609)  # not 0.0130
+        probe = Request(1, 1, 0.0, 0.0088)  # what the API leaves the runner of 12 ms
+        assert policy.offer(probe, 0.0), mode
+        step = policy.poll(0.0)
+        assert step.batch is not None and step.batch.requests == (probe,), mode

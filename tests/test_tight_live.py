@@ -130,8 +130,10 @@ def test_other_statuses_than_200_and_503_join_the_reasons() -> None:
 
 def test_what_one_row_costs_the_idle_model_is_read_from_the_gauges() -> None:
     assert SERVER.one_row_ms == pytest.approx(5.7)
-    stretched = replace(SERVER, model={**SERVER.model, "stretch": 0.5})
-    assert stretched.one_row_ms == pytest.approx(11.4)  # the curve, without the contention
+    stretched = replace(SERVER, model={**SERVER.model, "stretch": 2.0})
+    assert stretched.one_row_ms == pytest.approx(2.85)  # the curve, without the contention
+    eased = replace(SERVER, model={**SERVER.model, "stretch": 0.5})
+    assert eased.one_row_ms == pytest.approx(5.7)  # never more than a batch takes now
     assert replace(SERVER, model={}).one_row_ms is None
 
 

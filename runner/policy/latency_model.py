@@ -85,8 +85,17 @@ class Fit:
     def high(self, rows: int) -> float:
         return (self.intercept_s + self.slope_s * rows) * self.factor
 
-    def cost(self, rows: int) -> float:
+    def curve(self, rows: int) -> float:
+        """The fitted cost curve, in the unit it was fitted in."""
         return (self.intercept_s + self.slope_s * rows) / self.stretch
+
+    def cost(self, rows: int) -> float:
+        """What the batch takes on an idle machine: the curve, but never more than the batch
+        takes now. A curve learned in a busy spell (a model that waits is fitted on wall
+        time) sits above what batches take once it passes, with a stretch below 1 until the
+        refits catch up; read as the idle cost, it refused every request as too slow for
+        the limit (413), even an idle model's, so no batch ran that could correct it."""
+        return self.mean(rows) / max(self.stretch, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +170,7 @@ class LatencyModel:
         fit = self.fit
         if not fit.samples:
             return False
-        cost = self._cost_shifts.observe(spent / max(fit.cost(rows), 1e-9), fit.cost_factor)
+        cost = self._cost_shifts.observe(spent / max(fit.curve(rows), 1e-9), fit.cost_factor)
         if cost is not None:
             self._restart(self.samples)
             most = self.tuning.max_move
