@@ -225,6 +225,13 @@ def without_noise(scenario: Scenario) -> Scenario:
     return replace(scenario, name=f"{scenario.name} (no noise)", phases=phases)
 
 
+def known_line(scenario: Scenario, reserve: float, seed: int | None = None) -> Result:
+    """`KnownLinePolicy` at `reserve` sigmas on the scenario's arrivals for `seed`: over
+    `RESERVES`, the frontier `benchmarks.targets` holds a short limit's goodput to."""
+    return simulate(scenario, f"known line, reserve {reserve:g} sigma", seed=seed,
+                    policy=KnownLinePolicy(scenario, reserve))
+
+
 def _late(run: Result) -> float:
     return run.late / run.requests if run.requests else 0.0
 

@@ -15,6 +15,7 @@ from benchmarks.at_arrival_bound import (
     DropOldestPolicy,
     KnownLinePolicy,
     frontier,
+    known_line,
     main,
     without_noise,
 )
@@ -88,3 +89,12 @@ def test_the_table_names_the_best_goodput_of_each_rule_within_each_late_bound() 
         assert any(line.startswith(f"best {rule} goodput with late <= BentoML's")
                    for line in lines)
     assert all(line.count("|") == 7 for line in lines if line.startswith("| "))
+
+
+def test_known_line_runs_the_policy_at_a_reserve_on_the_seeds_arrivals() -> None:
+    scenario = _short("tight_12ms")
+    run = known_line(scenario, 2.0, seed=3)
+    direct = simulate(scenario, "direct", seed=3, policy=KnownLinePolicy(scenario, 2.0))
+    assert run.policy == "known line, reserve 2 sigma"
+    assert replace(run, policy="direct", wall_s=0.0) == replace(direct, wall_s=0.0)
+    assert run.requests != known_line(scenario, 2.0).requests  # seed 1 draws other arrivals
