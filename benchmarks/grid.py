@@ -1,15 +1,16 @@
-"""A generated grid of cost profiles, caps, limits and loads, on which the adaptive policy
-meets its targets against BentoML's rule (`benchmarks.targets`).
+"""A generated grid of cost profiles, caps, limits and loads, on which both refusal modes of the
+adaptive policy are judged against BentoML's rule (`benchmarks.targets`).
 
-Every cell is one steady Poisson scenario with single-row requests and a synthetic cost with
-lognormal noise (sigma 0.05), run by the adaptive policy and by BentoML's rule on the same
-arrivals (seed 1):
+Every cell is one Poisson scenario with single-row requests and a synthetic cost with lognormal
+noise (sigma 0.05), run by BentoML's rule and by the adaptive policy refusing at arrival and
+refusing the oldest, on the same arrivals (seed 1):
 
 - intercept/slope ratios 0.5, 2, 10 and 50 rows: from cost almost proportional to rows to
   cost almost fixed per batch;
 - caps (`max_batch_size`) 8, 32, 64 and 256, limits 10, 25, 100 and 500 ms;
 - the cost is scaled so a full batch takes `FULL_SHARE` (a quarter) of the limit on average:
-  `slope = FULL_SHARE * limit / (ratio + cap)`, `intercept = ratio * slope`;
+  `slope = FULL_SHARE * limit / (ratio + cap)`, `intercept = ratio * slope`; the limit is
+  then 4 batch times at the cap, so the goodput of both modes is held to BentoML's;
 - capacity in closed form: full batches back to back, `cap / (FULL_SHARE * limit)` req/s;
   each cell runs at 80% and at 150% of it;
 - each run lasts long enough for `REQUESTS` arrivals and for `BATCHES` full batches, at least
@@ -17,9 +18,9 @@ arrivals (seed 1):
   batches is mostly the luck of their noise draws (a run of 62 batches at cap 256 and 500 ms
   gave the two policies ratios of 0.986 to 1.016 across 20 seeds).
 
-`python -m benchmarks.grid` prints one line per cell; `benchmarks.dispatcher_table` prints the
-grid with its summary. Everything is on the virtual clock and seeded, so the grid is the same
-on any machine.
+`python -m benchmarks.grid` prints one line per cell and the worst cell per target of each
+mode; `benchmarks.dispatcher_table` prints the same. Everything is on the virtual clock and
+seeded, so the grid is the same on any machine.
 """
 
 from __future__ import annotations
@@ -29,10 +30,20 @@ import itertools
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from batchserve.runner.sim.scenario import Cost, Phase, Scenario
 from batchserve.runner.sim.simulate import Result, simulate
-from benchmarks.targets import TARGETS, Verdict, verdicts
+from benchmarks.at_arrival_bound import RESERVES, known_line
+from benchmarks.targets import (
+    MODES,
+    TARGETS,
+    TITLES,
+    Mode,
+    Verdict,
+    needs_frontier,
+    verdicts,
+)
 
 RATIOS = (0.5, 2.0, 10.0, 50.0)
 CAPS = (8, 32, 64, 256)
@@ -88,13 +99,28 @@ class Cell:
 
 @dataclass(frozen=True, slots=True)
 class CellRun:
-    cell: Cell
-    adaptive: Result
-    bentoml: Result
+    """A cell's runs on the same arrivals: BentoML's rule, each refusal mode, and the
+    known-line frontier where the at-arrival goodput target needs it."""
 
-    @property
-    def verdicts(self) -> list[Verdict]:
-        return verdicts(self.adaptive, self.bentoml, self.cell.limit_ms)
+    cell: Cell
+    bentoml: Result
+    at_arrival: Result
+    oldest: Result
+    frontier: tuple[Result, ...] = ()
+
+    def ours(self, mode: Mode) -> Result:
+        return self.at_arrival if mode == "at_arrival" else self.oldest
+
+    def verdicts(self, mode: Mode) -> list[Verdict]:
+        return verdicts(mode, self.ours(mode), self.bentoml, self.cell.scenario(),
+                        self.frontier)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cell": self.cell.name, "rate": self.cell.rate,
+                "bentoml": self.bentoml.to_json(),
+                **{mode: self.ours(mode).to_json() for mode in MODES},
+                "frontier": [run.to_json() for run in self.frontier],
+                "verdicts": {mode: [v.to_json() for v in self.verdicts(mode)] for mode in MODES}}
 
 
 def cells() -> list[Cell]:
@@ -104,7 +130,9 @@ def cells() -> list[Cell]:
 
 def run_cell(cell: Cell) -> CellRun:
     scenario = cell.scenario()
-    return CellRun(cell, simulate(scenario, "adaptive"), simulate(scenario, "bentoml"))
+    frontier = tuple(known_line(scenario, r) for r in RESERVES) if needs_frontier(scenario) else ()
+    return CellRun(cell, simulate(scenario, "bentoml"), simulate(scenario, "adaptive"),
+                   simulate(scenario, "adaptive", refuse="oldest"), frontier)
 
 
 def run_grid(chosen: list[Cell], workers: int = WORKERS) -> list[CellRun]:
@@ -117,36 +145,45 @@ def run_grid(chosen: list[Cell], workers: int = WORKERS) -> list[CellRun]:
 
 
 def table(runs: list[CellRun]) -> str:
-    """One row per cell: the numbers behind each target, and which targets it misses."""
+    """One row per cell: the numbers behind each target, and which targets each mode misses."""
     lines = [
-        "| cell | rate req/s | goodput adaptive | goodput bentoml | late % adaptive "
-        "| late % bentoml | refusal wait p99 ms | false refusals % | misses |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| cell | rate req/s | goodput bentoml | goodput adaptive | goodput oldest "
+        "| late % bentoml | late % adaptive | late % oldest | refusal wait p99 ms bentoml "
+        "| refusal wait p99 ms adaptive | refusal wait p99 ms oldest "
+        "| false refusals % adaptive | misses adaptive | misses oldest |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for run in runs:
-        ours, bento = run.adaptive, run.bentoml
-        share = 100.0 / ours.requests if ours.requests else 0.0
-        misses = ", ".join(v.target for v in run.verdicts if not v.ok) or "-"
+        trio = (run.bentoml, run.at_arrival, run.oldest)
+        share = 100.0 / run.bentoml.requests if run.bentoml.requests else 0.0
+        misses = [", ".join(v.target for v in run.verdicts(mode) if not v.ok) or "-"
+                  for mode in MODES]
         lines.append(
-            f"| {run.cell.name} | {run.cell.rate:.0f} | {ours.goodput_rps:.1f} "
-            f"| {bento.goodput_rps:.1f} | {ours.late * share:.3f} "
-            f"| {bento.late * share:.3f} | {ours.reject_wait_p99_ms:.2f} "
-            f"| {ours.false_rejections * share:.3f} | {misses} |"
+            f"| {run.cell.name} | {run.cell.rate:.0f} | "
+            + " | ".join(f"{r.goodput_rps:.1f}" for r in trio) + " | "
+            + " | ".join(f"{r.late * share:.3f}" for r in trio) + " | "
+            + " | ".join(f"{r.reject_wait_p99_ms:.2f}" for r in trio)
+            + f" | {run.at_arrival.false_rejections * share:.3f} | {' | '.join(misses)} |"
         )
     return "\n".join(lines)
 
 
 def summary(runs: list[CellRun]) -> list[str]:
-    """Per target: how many cells pass, and the worst cell with its numbers."""
+    """Per mode and target: how many cells pass, and the worst cell with its numbers."""
     out = []
-    for index, target in enumerate(TARGETS):
-        passed = sum(run.verdicts[index].ok for run in runs)
-        worst = max(runs, key=lambda run: run.verdicts[index].excess)
-        verdict = worst.verdicts[index]
-        out.append(f"- {target}: {passed}/{len(runs)} cells pass; worst {worst.cell.name} "
-                   f"({'PASS' if verdict.ok else 'MISS'}): {verdict.text}")
-    every = sum(all(v.ok for v in run.verdicts) for run in runs)
-    out.append(f"- all four targets: {every}/{len(runs)} cells")
+    for mode in MODES:
+        found = [run.verdicts(mode) for run in runs]
+        out.append(f"{TITLES[mode]}:")
+        for index, target in enumerate(TARGETS[mode]):
+            column = [verdicts[index] for verdicts in found]
+            judged = sum(v.judged for v in column)
+            passed = sum(v.ok and v.judged for v in column)
+            worst = max(range(len(runs)), key=lambda i: column[i].excess)
+            unjudged = f" ({len(runs) - judged} not judged)" if judged < len(runs) else ""
+            out.append(f"- {target}: {passed}/{judged} cells pass{unjudged}; worst "
+                       f"{runs[worst].cell.name} ({column[worst].mark}): {column[worst].text}")
+        every = sum(all(v.ok for v in verdicts) for verdicts in found)
+        out.append(f"- every target: {every}/{len(runs)} cells")
     return out
 
 

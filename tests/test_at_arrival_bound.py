@@ -19,6 +19,7 @@ from benchmarks.at_arrival_bound import (
     main,
     without_noise,
 )
+from benchmarks.targets import frontier_point, late_share
 
 SCENARIOS = Path(__file__).parent.parent / "benchmarks" / "scenarios"
 
@@ -98,3 +99,10 @@ def test_known_line_runs_the_policy_at_a_reserve_on_the_seeds_arrivals() -> None
     assert run.policy == "known line, reserve 2 sigma"
     assert replace(run, policy="direct", wall_s=0.0) == replace(direct, wall_s=0.0)
     assert run.requests != known_line(scenario, 2.0).requests  # seed 1 draws other arrivals
+
+
+def test_the_frontier_point_at_our_lateness_is_the_boldest_run_that_late() -> None:
+    scenario = _short("tight_12ms", 20.0)
+    bold, careful = (known_line(scenario, r) for r in (0.0, 3.0))
+    assert frontier_point([bold, careful], late_share(careful)) is careful
+    assert frontier_point([bold, careful], late_share(bold)) is bold

@@ -33,7 +33,6 @@ from batchserve.runner.sim.simulate import (
     simulate,
 )
 from benchmarks.dispatcher_table import one_request_ms
-from benchmarks.grid import CAPS, FULL_SHARE, LIMITS_MS, LOADS, RATIOS, cells, run_cell
 
 SCENARIOS = Path(__file__).parent.parent / "benchmarks" / "scenarios"
 SMALL = {
@@ -370,31 +369,6 @@ def test_a_phase_switches_between_replay_and_synthetic_cost(tmp_path: Path) -> N
 def test_shipped_machine_scenarios_load() -> None:
     for name in ("contended_80", "stalls", "replay_mlp", "overload_contended"):
         assert load_scenario(SCENARIOS / f"{name}.yml").phases[0].cost.inflated
-
-
-# --- the generated grid ------------------------------------------------------------------
-
-
-def test_grid_has_every_combination_once_with_full_batches_a_share_of_the_limit() -> None:
-    grid = cells()
-    assert len(grid) == len(RATIOS) * len(CAPS) * len(LIMITS_MS) * len(LOADS) == 128
-    assert len({cell.name for cell in grid}) == len(grid)
-    for cell in grid:
-        cost = cell.scenario().phases[0].cost
-        assert cost.intercept_ms == pytest.approx(cell.ratio * cost.per_item_ms)
-        assert cost.mean_s(cell.cap) == pytest.approx(FULL_SHARE * cell.limit_ms / 1000.0)
-        assert cell.rate == pytest.approx(cell.load * cell.cap / cost.mean_s(cell.cap))
-
-
-def test_grid_cells_are_deterministic() -> None:
-    assert cells() == cells()
-    cell = next(c for c in cells() if (c.ratio, c.cap, c.limit_ms, c.load) == (2.0, 8, 500.0, 1.5))
-    first, second = run_cell(cell), run_cell(cell)
-    for run in (first, second):
-        assert run.adaptive.requests == run.bentoml.requests > 0
-    assert replace(first.adaptive, wall_s=0.0, refit_ms_mean=0.0, refit_ms_max=0.0) == \
-        replace(second.adaptive, wall_s=0.0, refit_ms_mean=0.0, refit_ms_max=0.0)
-    assert replace(first.bentoml, wall_s=0.0) == replace(second.bentoml, wall_s=0.0)
 
 
 def test_given_arrivals_replace_the_scenarios_poisson_traffic() -> None:

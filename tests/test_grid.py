@@ -1,0 +1,102 @@
+"""The generated grid of `benchmarks.grid`: its cells, their traffic, and the worst cell per
+target of each mode."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from batchserve.runner.sim.simulate import Result
+from benchmarks.grid import (
+    CAPS,
+    FULL_SHARE,
+    LIMITS_MS,
+    LOADS,
+    RATIOS,
+    Cell,
+    CellRun,
+    cells,
+    run_cell,
+    summary,
+    table,
+)
+from benchmarks.targets import long_limit
+
+
+def cell(name: str) -> Cell:
+    return next(c for c in cells() if c.name == name)
+
+
+def test_grid_has_every_combination_once_with_full_batches_a_share_of_the_limit() -> None:
+    grid = cells()
+    assert len(grid) == len(RATIOS) * len(CAPS) * len(LIMITS_MS) * len(LOADS) == 128
+    assert len({c.name for c in grid}) == len(grid)
+    for c in grid:
+        scenario = c.scenario()
+        cost = scenario.phases[0].cost
+        assert cost.intercept_ms == pytest.approx(c.ratio * cost.per_item_ms)
+        assert cost.mean_s(c.cap) == pytest.approx(FULL_SHARE * c.limit_ms / 1000.0)
+        assert c.rate == pytest.approx(c.load * c.cap / cost.mean_s(c.cap))
+        assert scenario.seconds == pytest.approx(c.seconds)
+        assert long_limit(scenario)  # exactly 4 batch times: goodput is held to BentoML's
+
+
+def test_grid_cells_are_deterministic() -> None:
+    assert cells() == cells()
+    chosen = cell("r2/cap8/500ms/150%")
+    first, second = run_cell(chosen), run_cell(chosen)
+    for run in (first, second):
+        assert run.bentoml.requests == run.at_arrival.requests == run.oldest.requests > 0
+        assert (run.at_arrival.policy, run.oldest.policy) == ("adaptive", "adaptive (oldest)")
+        assert run.frontier == ()
+
+    def steady(result: Result) -> Result:
+        return replace(result, wall_s=0.0, refit_ms_mean=0.0, refit_ms_max=0.0)
+
+    for a, b in ((first.bentoml, second.bentoml), (first.at_arrival, second.at_arrival),
+                 (first.oldest, second.oldest)):
+        assert steady(a) == steady(b)
+    saved = json.loads(json.dumps(first.to_json()))
+    assert saved["cell"] == "r2/cap8/500ms/150%"
+    assert [v["target"] for v in saved["verdicts"]["oldest"]] == \
+        ["goodput", "late", "refusal wait"]
+
+
+def made_up(goodput: float, late: int = 0, wait_ms: float = 0.0, policy: str = "bentoml",
+            ) -> Result:
+    return Result(scenario="c", policy=policy, seconds=10.0, requests=10_000, ok=9_000,
+                  rejected=1_000, late=late, goodput_rps=goodput, p50_ms=1.0, p99_ms=2.0,
+                  mean_batch_size=4.0, false_rejections=0, rejected_at_arrival=1_000,
+                  reject_wait_p99_ms=wait_ms, batches=100)
+
+
+def test_the_summary_names_the_worst_cell_per_target_of_each_mode() -> None:
+    fine, worse, worst = (cell(f"r{ratio}/cap8/100ms/150%") for ratio in (0.5, 2, 10))
+    runs = [
+        CellRun(fine, made_up(100.0, wait_ms=30.0), made_up(100.0, policy="adaptive"),
+                made_up(100.0, wait_ms=30.0, policy="adaptive (oldest)")),
+        CellRun(worse, made_up(100.0, wait_ms=30.0), made_up(98.0, late=20, policy="adaptive"),
+                made_up(98.5, wait_ms=31.0, policy="adaptive (oldest)")),
+        CellRun(worst, made_up(100.0, wait_ms=30.0), made_up(97.0, policy="adaptive"),
+                made_up(100.0, late=30, wait_ms=40.0, policy="adaptive (oldest)")),
+    ]
+    text = summary(runs)
+    assert text[0] == "adaptive, refusing at arrival (the default):"
+    assert text[1].startswith("- goodput: 1/3 cells pass; worst r10/cap8/100ms/150% (MISS): "
+                              "goodput 97.0 vs bentoml 100.0")
+    assert text[2].startswith("- late: 2/3 cells pass; worst r2/cap8/100ms/150% (MISS): "
+                              "late 20/10000 = 0.200%")
+    assert text[5] == "- every target: 1/3 cells"
+    assert text[6] == "adaptive (oldest), refusing the oldest:"
+    assert text[7].startswith("- goodput: 2/3 cells pass; worst r2/cap8/100ms/150% (MISS)")
+    assert text[8].startswith("- late: 2/3 cells pass; worst r10/cap8/100ms/150% (MISS)")
+    assert text[9].startswith("- refusal wait: 1/3 cells pass; worst r10/cap8/100ms/150% "
+                              "(MISS): refusal wait p99 40.00 ms vs bound 30.00 ms")
+    assert text[10] == "- every target: 1/3 cells"
+    rows = table(runs).splitlines()
+    assert len(rows) == 2 + len(runs)
+    assert all(row.count("|") == rows[0].count("|") for row in rows)
+    assert rows[3].endswith("| goodput, late | goodput, refusal wait |")
+    assert rows[4].endswith("| goodput | late, refusal wait |")
