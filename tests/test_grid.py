@@ -8,13 +8,17 @@ from dataclasses import replace
 
 import pytest
 
-from batchserve.runner.sim.simulate import Result
+from batchserve.runner.sim.simulate import Result, arrivals
 from benchmarks.grid import (
+    BATCHES,
     CAPS,
     FULL_SHARE,
     LIMITS_MS,
     LOADS,
+    MAX_SECONDS,
     RATIOS,
+    REQUESTS,
+    SHIFT_S,
     Cell,
     CellRun,
     cells,
@@ -24,6 +28,8 @@ from benchmarks.grid import (
 )
 from benchmarks.targets import long_limit
 
+BY_NAME = {load.name: load for load in LOADS}
+
 
 def cell(name: str) -> Cell:
     return next(c for c in cells() if c.name == name)
@@ -31,21 +37,50 @@ def cell(name: str) -> Cell:
 
 def test_grid_has_every_combination_once_with_full_batches_a_share_of_the_limit() -> None:
     grid = cells()
-    assert len(grid) == len(RATIOS) * len(CAPS) * len(LIMITS_MS) * len(LOADS) == 128
+    assert [load.name for load in LOADS] == ["80%", "150%", "200%", "shift"]
+    assert len(grid) == len(RATIOS) * len(CAPS) * len(LIMITS_MS) * len(LOADS) == 256
     assert len({c.name for c in grid}) == len(grid)
     for c in grid:
         scenario = c.scenario()
         cost = scenario.phases[0].cost
         assert cost.intercept_ms == pytest.approx(c.ratio * cost.per_item_ms)
         assert cost.mean_s(c.cap) == pytest.approx(FULL_SHARE * c.limit_ms / 1000.0)
-        assert c.rate == pytest.approx(c.load * c.cap / cost.mean_s(c.cap))
+        assert c.rate == pytest.approx(c.load.mean * c.cap / cost.mean_s(c.cap))
         assert scenario.seconds == pytest.approx(c.seconds)
         assert long_limit(scenario)  # exactly 4 batch times: goodput is held to BentoML's
 
 
+def test_a_steady_cell_is_one_phase_long_enough_for_its_arrivals_and_batches() -> None:
+    for c in cells():
+        if c.load.cycle_s:
+            continue
+        (phase,) = c.phases()
+        assert phase.rate == pytest.approx(c.load.levels[0] * c.capacity_rps)
+        full_s = FULL_SHARE * c.limit_ms / 1000.0
+        assert c.seconds == MAX_SECONDS or (
+            c.seconds >= c.load.min_seconds and c.seconds * c.rate >= REQUESTS - 1e-6
+            and c.seconds >= BATCHES * full_s - 1e-9)
+
+
+def test_a_shifting_cell_steps_between_half_and_one_and_a_half_capacity() -> None:
+    shift = BY_NAME["shift"]
+    for c in (c for c in cells() if c.load == shift):
+        phases = c.phases()
+        assert len(phases) % 2 == 0  # whole low-high cycles: the mean rate is the capacity
+        assert {phase.seconds for phase in phases} == {SHIFT_S}
+        assert [phase.rate / c.capacity_rps for phase in phases] == \
+            pytest.approx([0.5, 1.5] * (len(phases) // 2))
+        assert c.seconds >= shift.min_seconds and c.seconds <= MAX_SECONDS
+    quick = cell("r2/cap256/10ms/shift")  # 100,000 req/s: one cycle is plenty of arrivals
+    assert quick.seconds == 2 * SHIFT_S
+    times = [t for t, _ in arrivals(quick.scenario(), 1)]
+    low = sum(t < SHIFT_S for t in times)
+    assert 2.7 < (len(times) - low) / low < 3.3  # the high phase brings three times as many
+
+
 def test_grid_cells_are_deterministic() -> None:
     assert cells() == cells()
-    chosen = cell("r2/cap8/500ms/150%")
+    chosen = cell("r2/cap8/500ms/shift")
     first, second = run_cell(chosen), run_cell(chosen)
     for run in (first, second):
         assert run.bentoml.requests == run.at_arrival.requests == run.oldest.requests > 0
@@ -59,7 +94,7 @@ def test_grid_cells_are_deterministic() -> None:
                  (first.oldest, second.oldest)):
         assert steady(a) == steady(b)
     saved = json.loads(json.dumps(first.to_json()))
-    assert saved["cell"] == "r2/cap8/500ms/150%"
+    assert saved["cell"] == "r2/cap8/500ms/shift"
     assert [v["target"] for v in saved["verdicts"]["oldest"]] == \
         ["goodput", "late", "refusal wait"]
 
