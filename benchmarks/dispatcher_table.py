@@ -2,6 +2,7 @@
 
     python -m benchmarks.dispatcher_table [--scenarios DIR] [--json FILE] [--skip-capacity]
                                           [--skip-grid] [--seeds N] [--workers N]
+                                          [--readme FILE]
 
 For every scenario it runs the adaptive policy in both refusal modes (at arrival, the default,
 and the oldest), BentoML's rule, no batching, and the best fixed (window, cap) pair found by a
@@ -12,6 +13,8 @@ SLO), checks the default mode at low load, at 80% load, in overload and under ch
 traffic, judges each mode's targets (`benchmarks.targets`) on every scenario, and runs the
 generated grid (`benchmarks.grid`) with the worst cell per target of each mode. `--seeds N`
 judges again on seeds 1..N each mode on the scenarios where it misses a target.
+`--readme FILE` puts the trade-off table of the two modes and BentoML's rule between the lines
+`<!-- refusal-modes: start -->` and `<!-- refusal-modes: end -->` of FILE.
 Everything runs on the virtual clock, so the output is the same on any machine for a given
 seed, except the refit times measured on the wall clock.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,6 +34,7 @@ from batchserve.runner.sim.scenario import Scenario, load_scenario
 from batchserve.runner.sim.simulate import Result, best_fixed, simulate
 from benchmarks import grid
 from benchmarks.at_arrival_bound import RESERVES, known_line
+from benchmarks.live_table import replace_block
 from benchmarks.targets import (
     MODES,
     TARGETS,
@@ -46,6 +51,9 @@ CAPACITY_BASE = "load_80"
 CAPACITY_SECONDS = 30.0
 CAPACITY_GRID = ((0.0, 1.0, 2.0, 5.0, 10.0), (64, 48, 32))
 DYNAMIC = ("steps", "bursts", "cost_doubling")
+TRADE_OFF = ("tight_12ms", "bursts", "load_80")
+README_START = "<!-- refusal-modes: start -->"
+README_END = "<!-- refusal-modes: end -->"
 WORKERS = 2
 
 
@@ -196,6 +204,22 @@ def markdown(results: dict[str, Runs]) -> str:
     return "\n".join(lines)
 
 
+def trade_off(results: dict[str, Runs], names: Iterable[str] = TRADE_OFF) -> str:
+    """Goodput, lateness and refusal wait of BentoML's rule and both modes on a few
+    scenarios: what refusing the oldest buys and what it costs."""
+    lines = ["| scenario | policy | goodput req/s | late % | refusal wait p99 ms |",
+             "|---|---|---:|---:|---:|"]
+    for name in names:
+        if name not in results:
+            continue
+        runs = results[name]
+        for run in (runs.bentoml, runs.at_arrival, runs.oldest):
+            share = 100.0 / run.requests if run.requests else 0.0
+            lines.append(f"| {name} | {run.policy} | {run.goodput_rps:.1f} "
+                         f"| {run.late * share:.3f} | {run.reject_wait_p99_ms:.1f} |")
+    return "\n".join(lines)
+
+
 def one_request_ms(scenario: Scenario) -> float:
     """The median time of a batch of one request on the scenario's first cost: the lognormal
     noise on it has median 1, so this is the cost curve's own value."""
@@ -275,6 +299,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="judge each mode again on seeds 1..N of the scenarios where it "
                              "misses (default 0: not)")
     parser.add_argument("--workers", type=int, default=WORKERS, help="processes (default 2)")
+    parser.add_argument("--readme", type=Path,
+                        help=f"put the trade-off table between {README_START!r} and "
+                             f"{README_END!r} of this file")
     return parser
 
 
@@ -284,6 +311,10 @@ def main(argv: list[str]) -> int:
     print(f"running {len(scenarios)} scenarios ...", file=sys.stderr)
     results, cap_rps = run_scenarios(scenarios, args.workers, not args.skip_capacity)
     print(markdown(results))
+    print("\nthe two refusal modes beside BentoML's rule:\n")
+    print(trade_off(results))
+    if args.readme:
+        replace_block(args.readme, trade_off(results), README_START, README_END)
     print(f"\ncapacity (best fixed setting, p99 within the SLO): {cap_rps:.0f} req/s\n")
     print("\n".join(checks(results, cap_rps, scenarios)))
     print("\nthe targets of each mode (benchmarks/targets.py):")

@@ -1,6 +1,6 @@
 """`python -m benchmarks.dispatcher_table` end to end on two small scenarios: both modes in the
 table and the targets, the frontier where a short limit needs it, the seed sweep of the
-scenarios that miss, and the JSON."""
+scenarios that miss, the README block and the JSON."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.dispatcher_table import main
+from benchmarks.dispatcher_table import README_END, README_START, main
 
 # A limit of 2.3 batch times on a plain line (the frontier judges goodput), and a limit of
 # 5.4 batch times under stalls (BentoML's goodput does).
@@ -38,9 +38,11 @@ def test_one_command_judges_both_modes(tmp_path: Path, capsys: pytest.CaptureFix
     folder.mkdir()
     (folder / "load_80.yml").write_text(LONG)
     (folder / "tight_12ms.yml").write_text(SHORT)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{README_START}\nold\n{README_END}\nafter\n")
     saved = tmp_path / "table.json"
     assert main(["--scenarios", str(folder), "--skip-capacity", "--skip-grid", "--seeds", "2",
-                 "--workers", "1", "--json", str(saved)]) == 0
+                 "--workers", "1", "--json", str(saved), "--readme", str(readme)]) == 0
     out = capsys.readouterr().out
     for name in ("load_80", "tight_12ms"):
         for policy in ("adaptive", "adaptive (oldest)", "bentoml", "none"):
@@ -51,6 +53,10 @@ def test_one_command_judges_both_modes(tmp_path: Path, capsys: pytest.CaptureFix
     assert ": tight_12ms: goodput " in judged and "vs known-line frontier" in judged
     assert ": load_80: goodput " in judged and "vs bentoml" in judged
     assert judged.count(": tight_12ms: ") == 4 + 3
+    text = readme.read_text()
+    assert text.startswith(f"before\n{README_START}\n| scenario | policy | goodput req/s |")
+    assert text.endswith(f"{README_END}\nafter\n")
+    assert "| tight_12ms | adaptive (oldest) | " in text and "old\n" not in text
     dump = json.loads(saved.read_text(), parse_constant=_reject_infinity)
     assert len(dump["tight_12ms"]["frontier"]) == 6 and dump["load_80"]["frontier"] == []
     assert [run["policy"] for run in dump["load_80"]["runs"]][:3] == \
