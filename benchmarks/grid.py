@@ -15,14 +15,12 @@ refusing the oldest, on the same arrivals (seed 1):
   each cost profile runs at four loads: steady at 80%, 150% and 200% of it, and "shift",
   which steps between 50% and 150% every `SHIFT_S` seconds (starting low, so its mean is
   the capacity);
-- each run lasts long enough for `REQUESTS` arrivals and for `BATCHES` full batches, at most
-  `MAX_SECONDS` simulated seconds, and at least `MIN_SECONDS` at 80% and 150% and
-  `SHORT_SECONDS` at 200% and shift (a shifting run, then, whole low-high cycles): goodput
-  over a few dozen batches is mostly the luck of their noise draws (a run of 62 batches at
-  cap 256 and 500 ms gave the two policies ratios of 0.986 to 1.016 across 20 seeds). The
-  shorter floor binds only where 500 full batches take under 2 s, the limits of 10 and
-  25 ms, whose cells see up to 200,000 arrivals a second and cost the most to simulate: the
-  two new loads hold 12 million arrivals instead of 19.
+- each run lasts long enough for `REQUESTS` arrivals and for `BATCHES` full batches, at least
+  `MIN_SECONDS` and at most `MAX_SECONDS` simulated seconds (a shifting run, whole low-high
+  cycles): goodput over a few dozen batches is mostly the luck of their noise draws (a run
+  of 62 batches at cap 256 and 500 ms gave the two policies ratios of 0.986 to 1.016 across
+  20 seeds). The floor binds only where 500 full batches take under 2 s, the limits of 10
+  and 25 ms, whose cells see up to 200,000 arrivals a second and cost the most to simulate.
 
 `python -m benchmarks.grid` prints one line per cell and the worst cell per target of each
 mode; `benchmarks.dispatcher_table` prints the same. Everything is on the virtual clock and
@@ -60,8 +58,7 @@ NOISE = 0.05
 SEED = 1
 REQUESTS = 20_000
 BATCHES = 500
-MIN_SECONDS = 5.0
-SHORT_SECONDS = 2.0
+MIN_SECONDS = 2.0
 MAX_SECONDS = 60.0
 SHIFT_S = 2.0
 WORKERS = 2
@@ -74,7 +71,6 @@ class Load:
 
     name: str
     levels: tuple[float, ...]
-    min_seconds: float = MIN_SECONDS
 
     @property
     def mean(self) -> float:
@@ -86,8 +82,8 @@ class Load:
         return SHIFT_S * len(self.levels) if len(self.levels) > 1 else 0.0
 
 
-LOADS = (Load("80%", (0.8,)), Load("150%", (1.5,)), Load("200%", (2.0,), SHORT_SECONDS),
-         Load("shift", (0.5, 1.5), SHORT_SECONDS))
+LOADS = (Load("80%", (0.8,)), Load("150%", (1.5,)), Load("200%", (2.0,)),
+         Load("shift", (0.5, 1.5)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +117,7 @@ class Cell:
     @property
     def seconds(self) -> float:
         batches_s = BATCHES * FULL_SHARE * self.limit_ms / 1000.0
-        seconds = min(MAX_SECONDS, max(self.load.min_seconds, REQUESTS / self.rate, batches_s))
+        seconds = min(MAX_SECONDS, max(MIN_SECONDS, REQUESTS / self.rate, batches_s))
         cycle = self.load.cycle_s
         return cycle * math.ceil(seconds / cycle) if cycle else seconds
 
