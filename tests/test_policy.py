@@ -723,3 +723,19 @@ def test_an_idle_model_runs_a_request_its_curve_from_a_busy_spell_would_refuse()
         assert policy.offer(probe, 0.0), mode
         step = policy.poll(0.0)
         assert step.batch is not None and step.batch.requests == (probe,), mode
+
+
+def test_the_batch_after_next_refuses_its_oldest_as_soon_as_the_queue_shows_it() -> None:
+    """Batches of two at most: the third request queued would start after the running batch
+    and the next, at 0.045 + 1.1 * 0.045, and end past its deadline (0.102): it is refused
+    on arrival, not when the model frees, a batch later."""
+    policy = oldest(size=2)
+    policy.offer(request(0, 0.0), 0.0)
+    assert policy.poll(0.0).batch is not None  # runs until 0.045
+    first, second, third = request(1, 0.001), request(2, 0.001), request(3, 0.002)
+    for queued in (first, second):
+        assert policy.offer(queued, queued.arrival)
+        assert policy.poll(queued.arrival).refused == ()
+    assert policy.offer(third, 0.002)
+    assert policy.poll(0.002).refused == (third,)
+    assert policy.stats(0.002).queued == 2
