@@ -359,15 +359,9 @@ class Dispatcher:
         ident = next(self._ids)
         self._jobs[ident] = job
         if not self.policy.offer(Request(ident, rows, now, deadline, group, assured), now):
-            retry = max(self.max_latency_s, Timeouts.RETRY_FLOOR_S)
-            why = self.policy.refusal()
-            predicted_s, ahead = (why.predicted_finish - now, why.rows_ahead) if why else (0.0, 0)
-            if why is not None and why.retry_after_s > 0.0:  # when the backlog could drain
-                retry = why.retry_after_s
-            self._answer(ident, Rejection(
-                FailureCode.REFUSED,
+            self._answer(ident, self._refused(
                 f"runner {self.runner.name!r} cannot answer within its deadline now",
-                retry, predicted_s, deadline - now, ahead,
+                deadline, now,
             ))
             return
         self._idle.clear()
@@ -399,18 +393,22 @@ class Dispatcher:
     def _refuse_oldest(self, requests: tuple[Request, ...], now: float) -> None:
         """Answer requests the policy let go from the head of its queue (`refuse: oldest`):
         503 `queue`, with when to come back."""
-        why = self.policy.refusal()
-        retry = why.retry_after_s if why is not None and why.retry_after_s > 0.0 else max(
-            self.max_latency_s, Timeouts.RETRY_FLOOR_S)
-        ahead = why.rows_ahead if why is not None else 0
         for request in requests:
-            predicted_s = why.predicted_finish - now if why is not None else 0.0
-            self._answer(request.id, Rejection(
-                FailureCode.REFUSED,
+            self._answer(request.id, self._refused(
                 f"runner {self.runner.name!r} cannot answer this request within its deadline "
                 "now: it waited longest, and newer ones can still be served",
-                retry, predicted_s, request.deadline - now, ahead,
+                request.deadline, now,
             ))
+
+    def _refused(self, message: str, deadline: float, now: float) -> Rejection:
+        """A 503 `queue` carrying what the policy judged on (`Policy.refusal`), and when to
+        come back: once the backlog could drain, else the limit (at least the floor)."""
+        retry = max(self.max_latency_s, Timeouts.RETRY_FLOOR_S)
+        why = self.policy.refusal()
+        predicted_s, ahead = (why.predicted_finish - now, why.rows_ahead) if why else (0.0, 0)
+        if why is not None and why.retry_after_s > 0.0:
+            retry = why.retry_after_s
+        return Rejection(FailureCode.REFUSED, message, retry, predicted_s, deadline - now, ahead)
 
     def _arm(self, wake_at: float | None, now: float) -> None:
         timer = self._timer

@@ -222,13 +222,20 @@ class AdaptivePolicy:
         return self._refuse(request, finish, waiting.rows + running, now)
 
     def _refuse(self, request: Request, finish: float, ahead: int, now: float) -> bool:
-        """Refuse `request`: keep what it was judged on, and count its rows in the refused
-        backlog that sets when its client should come back."""
+        """Refuse `request` at arrival."""
+        self._refused((request,), finish, ahead, now)
+        return False
+
+    def _refused(
+        self, requests: Sequence[Request], finish: float, ahead: int, now: float
+    ) -> None:
+        """Count the refused rows in the backlog that sets when their clients should come
+        back, and keep what they were judged on."""
         refused = self._rates.refused
-        refused.add(now, request.rows)
+        for request in requests:
+            refused.add(now, request.rows)
         backlog = refused.rate(now) * refused.tau_s
         self._refusal = Refusal(finish, ahead, retry_after_s(self.drain_s(ahead + backlog)))
-        return False
 
     def refusal(self) -> Refusal | None:
         return self._refusal
@@ -476,12 +483,8 @@ class AdaptivePolicy:
             later += self._costs.fit.mean(rows) * self.tuning.shed_chain + self._gaps.mean
             rows, _ = self._shed_from(index, later, limit, refused, now)
         if refused:
-            rates = self._rates
-            for request in refused:
-                rates.refused.add(now, request.rows)
-            backlog = rates.refused.rate(now) * rates.refused.tau_s
             ahead = waiting.rows + (busy.batch.rows if busy.batch is not None else 0)
-            self._refusal = Refusal(finish, ahead, retry_after_s(self.drain_s(ahead + backlog)))
+            self._refused(refused, finish, ahead, now)
         return tuple(refused), shed_at
 
     def _shed_from(
