@@ -11,16 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..core.config import REFUSE_MODES, Refuse
 from ..core.retry import retry_after_s
 from .base import Batch, PolicyStats, Reason, Refusal, Request, Step
 from .latency_model import Fit, LatencyModel, RecentQuantile, Timing, fit_samples
 from .state import Costs, Limits, Rates, Refits, Running, Waiting
 from .tuning import DEFAULT_TUNING, Tuning
-
-if TYPE_CHECKING:
-    from ..core.config import Refuse
 
 TAIL_INDEX = 3.0
 """How the heavy tail of batch times (the part of the high quantile beyond `k * spread`) adds
@@ -57,8 +55,9 @@ class AdaptivePolicy:
         """`max_batch_size` caps a batch in the units requests are sized in (`Request.rows`:
         rows, or elements for ragged inputs); `max_requests`, if given, also caps how many
         requests one batch holds (a runner's `max_batch_size` when it counts elements)."""
-        if refuse not in ("at_arrival", "oldest"):
-            raise ValueError(f"refuse has value {refuse!r}; it must be at_arrival or oldest")
+        if refuse not in REFUSE_MODES:
+            raise ValueError(f"refuse has value {refuse!r}; it must be one of "
+                             + ", ".join(REFUSE_MODES))
         self.limits = Limits(max_batch_size, max_latency_s, max_requests)
         self.oldest = refuse == "oldest"
         self.tuning = tuning
