@@ -207,7 +207,9 @@ def test_a_hello_of_another_version_is_refused_and_closed(runner: Runner) -> Non
             f"it speaks protocol version {PROTOCOL_VERSION + 1}; this end speaks "
             f"{PROTOCOL_VERSION}"))
         assert connection.recv(1) == b""  # closed
-    assert runner.logged(f"protocol version {PROTOCOL_VERSION + 1}")
+    # The runner logs the refusal as it closes; its log is read on another thread.
+    wait_for(lambda: runner.logged(f"protocol version {PROTOCOL_VERSION + 1}"), 30,
+             "the runner to log the refused version")
 
 
 # --- TLS ---------------------------------------------------------------------------------------
