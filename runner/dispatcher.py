@@ -5,7 +5,9 @@ and refused at once when it says so; whenever the model is free, a request arriv
 wake-up the policy asked for comes due, the policy is polled; a released batch is joined,
 run on the one model thread (off the event loop) and split back to each request. Requests of
 more than `max_batch_size` rows are cut into pieces that batch like any other request and are
-joined again before the answer.
+joined again before the answer. A request's deadline passing while it is queued is answered 503,
+but a piece of one the idle model was assured to finish is answered 413: too large for the
+limit on this machine, as it would be at every try.
 
 A request's size for the policy is its cost (`Signature.cost`): its rows, or for ragged or
 pad inputs its elements, bounded by `max_batch_elements`; such a request is one sequence,
@@ -86,6 +88,9 @@ class _Whole:
     reply: Reply
     pieces: list[Tensors | None]
     missing: int
+    rows: int
+    deadline: float
+    in_time: int = 0  # the rows of its pieces answered by its deadline
     answered: bool = False
 
 
@@ -323,7 +328,7 @@ class Dispatcher:
         pieces = batching.chunk(
             tensors, rows, self.runner.batch_dim[0], self.max_cost, self.runner.unbatched
         )
-        whole = _Whole(reply, [None] * len(pieces), len(pieces))
+        whole = _Whole(reply, [None] * len(pieces), len(pieces), rows, deadline)
         for index, (piece, size) in enumerate(pieces):
             job = _Job(piece, reply, whole, index, started, size, options)
             self._offer(job, size, now, deadline, group, assured)
@@ -374,13 +379,8 @@ class Dispatcher:
             return
         now = self.clock()
         step = self.policy.poll(now)
-        if step.expired:
-            for request in step.expired:
-                self._answer(request.id, Rejection(
-                    FailureCode.EXPIRED,
-                    f"the request's deadline passed while queued for {self.runner.name!r}",
-                    self.max_latency_s,
-                ))
+        for request in step.expired:
+            self._answer(request.id, self._expired(request))
         if step.refused:
             self._refuse_oldest(step.refused, now)
         if step.batch is not None:
@@ -389,6 +389,28 @@ class Dispatcher:
         if not self._busy and not self._jobs:
             self._idle.set()
             self.metrics.flush()  # a scrape after the last answer counts all of it
+
+    def _expired(self, request: Request) -> Rejection:
+        """Why a request is dropped from the queue at its deadline: 503, to come back later,
+        unless it is a piece of a request the idle model was assured to finish (see
+        `submit`). Then the machine ran its own pieces slower than the cost model said, and
+        the request would fail the same way at every try: it is too large for the limit
+        here, and the rows that did finish in time say how many fit."""
+        job = self._jobs.get(request.id)
+        whole = job.whole if job is not None else None
+        if not request.assured or whole is None:
+            return Rejection(
+                FailureCode.EXPIRED,
+                f"the request's deadline passed while queued for {self.runner.name!r}",
+                self.max_latency_s,
+            )
+        fit = whole.in_time
+        advice = f"send at most {fit} rows a request" if fit else "raise max_latency_ms"
+        return Rejection(FailureCode.TOO_LARGE, (
+            f"{whole.rows} rows did not finish by the request's deadline on runner "
+            f"{self.runner.name!r} even when it is idle: its pieces ran slower than its cost "
+            f"model said; {advice}"
+        ))
 
     def _refuse_oldest(self, requests: tuple[Request, ...], now: float) -> None:
         """Answer requests the policy let go from the head of its queue (`refuse: oldest`):
@@ -567,6 +589,8 @@ class Dispatcher:
             return
         whole.pieces[job.index] = result
         whole.missing -= 1
+        if self.clock() <= whole.deadline:
+            whole.in_time += job.rows
         if whole.missing == 0:
             whole.answered = True
             pieces = [piece for piece in whole.pieces if piece is not None]

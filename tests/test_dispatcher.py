@@ -353,6 +353,70 @@ async def test_a_request_in_pieces_that_fits_an_idle_model_is_taken_whole() -> N
     assert not isinstance(await running, Rejection)
 
 
+class Turnstile:
+    """A model that doubles its input and lets one call through per `admit`."""
+
+    def __init__(self) -> None:
+        self.turn = threading.Semaphore(0)
+        self.calls = 0
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        self.calls += 1
+        assert self.turn.acquire(timeout=10)
+        return x * 2
+
+    async def admit(self, calls: int) -> None:
+        """Let one call through, then wait in real time until the model has been called
+        `calls` times in all."""
+        self.turn.release()
+        give_up = time.monotonic() + 10
+        while self.calls < calls and time.monotonic() < give_up:
+            await asyncio.to_thread(time.sleep, 0.001)
+        assert self.calls >= calls
+
+
+async def test_a_request_in_pieces_the_idle_model_runs_too_slowly_is_too_large(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Assured on an idle model, 10 rows in pieces of 4 run past their 10 ms deadline: the
+    last piece expires in the queue. A 503 would have the client retry into the same
+    slowness; it is a 413, with the 4 rows answered in time as the advice."""
+    clock = fake_clock(monkeypatch)
+    model = Turnstile()
+    d = dispatcher(model, clock=clock)
+    await d.start()
+    whole = send(d, rows(10), budget=0.01)
+    await clock.advance(0.005)
+    await model.admit(calls=2)  # the first piece in time, the second now in the model
+    await clock.advance(0.01)
+    await model.admit(calls=2)  # the second piece late; the third expires unrun
+    answer = await whole
+    assert isinstance(answer, Rejection) and answer.code == FailureCode.TOO_LARGE
+    assert answer.message == (
+        "10 rows did not finish by the request's deadline on runner 'double' even when it "
+        "is idle: its pieces ran slower than its cost model said; send at most 4 rows a "
+        "request")
+    assert model.calls == 2
+    served = send(d, rows(1))
+    await model.admit(calls=3)
+    assert not isinstance(await served, Rejection)
+
+
+async def test_a_piece_that_expires_behind_other_traffic_is_503() -> None:
+    """The same 10 rows behind a running batch were not assured: a piece that expires there
+    is refused for now (503), to come back, not as too large."""
+    gate = Gate()
+    d = dispatcher(gate)
+    await d.start()
+    running = await hold(d, gate, rows(1))
+    whole = send(d, rows(10), budget=0.01)
+    await asyncio.sleep(0.02)
+    gate.open.set()
+    answer = await whole
+    assert isinstance(answer, Rejection) and answer.code == FailureCode.EXPIRED
+    assert not isinstance(await running, Rejection)
+
+
 class PerElement(GreedyPolicy):
     """Greedy, with an idle cost of 1 ms per element: what a ragged request needs is known."""
 

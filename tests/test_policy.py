@@ -739,3 +739,22 @@ def test_the_batch_after_next_refuses_its_oldest_as_soon_as_the_queue_shows_it()
     assert policy.offer(third, 0.002)
     assert policy.poll(0.002).refused == (third,)
     assert policy.stats(0.002).queued == 2
+
+
+def test_the_pieces_of_a_request_assured_on_an_idle_model_are_never_refused() -> None:
+    """Four pieces of 2 rows, 24 ms a batch on the mean: the whole fits the 100 ms limit,
+    and the dispatcher assured it. Judged as other requests are, the fourth piece would end
+    past 110 ms; refused, the same request would be refused at every try on an idle model."""
+    policy = AdaptivePolicy(2, SLO, refuse="oldest")
+    policy.apply_fit(Fit(intercept_s=0.024, slope_s=0.0, factor=1.5, samples=1))
+    pieces = [Request(i, 2, 0.0, SLO, assured=True) for i in range(4)]
+    assert all(policy.offer(piece, 0.0) for piece in pieces)
+    now, ran = 0.0, []
+    while len(ran) < len(pieces):
+        step = policy.poll(now)
+        assert step.refused == () and step.expired == ()
+        assert step.batch is not None
+        ran += step.batch.requests
+        policy.complete(step.batch, now, now + 0.024)
+        now += 0.024
+    assert ran == pieces

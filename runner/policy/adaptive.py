@@ -463,7 +463,8 @@ class AdaptivePolicy:
         overload branch of `best_cap`, without rounding it. Judging the later batches too
         refuses, as soon as the queue shows it, what waiting for the model would refuse a
         batch or two later. The probe (see `_admits`) is never refused: its batch corrects
-        a cost model that would refuse everything.
+        a cost model that would refuse everything. Nor is a request cut into pieces that the
+        idle model was assured to finish: refused, it would be refused at every try.
         """
         waiting, busy = self._waiting, self._busy
         queue = waiting.requests
@@ -509,7 +510,7 @@ class AdaptivePolicy:
             behind = waiting.group_rows.get(head.group, head.rows) - self._rows_before(index)
             rows = min(limit, behind + int(joining))
             finish = start + fit.mean(rows) * (fit.factor if behind + joining > limit else alone)
-            if head.id == waiting.probe or finish <= head.deadline:
+            if head.id == waiting.probe or head.assured or finish <= head.deadline:
                 return rows, finish
             del queue[index]
             waiting.forget(head)

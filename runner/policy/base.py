@@ -11,8 +11,8 @@ through four calls:
     stats(now) -> PolicyStats           a snapshot for metrics
 
 At most one batch is in flight: `poll` returns a batch only when the previous one completed.
-Requests whose deadline passes while queued come back in `Step.expired` and are answered 503
-without any compute spent on them.
+Requests whose deadline passes while queued come back in `Step.expired` and are answered
+without any compute spent on them (503; 413 for an assured one, too large for the limit).
 
 `AdaptivePolicy` (in `batchserve.runner.policy.adaptive`) is the product, explained in
 docs/dispatcher.md; `GreedyPolicy` and the baselines in `batchserve.runner.policy.baselines` are
