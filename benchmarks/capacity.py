@@ -1,25 +1,29 @@
 """The capacity gauge and `batchserve plan` against the rate the server really passes.
 
-For each client and each number of `mlp`
-runner processes (``--processes 1,2``: the bundled configuration with `workers` set), a fresh
-server writing its batch log is warmed up and driven at ``--read-rate`` (800 req/s) for
-``--seconds``; the runner's capacity (``batchserve_capacity_requests_per_second``, summed over
-its processes) is read at the end of that run. The same server is then swept upwards through
-``--rates`` until two rates in a row fail; the highest rate that passed (at most 1% non-OK,
-p99 of the OKs within 100 ms, as in the live table) is what both should have said. Last,
-`batchserve plan` runs on that server's batch log, for that many processes, told the client's
-measured CPU per request (it runs on the same cores).
+For each client and each number of `mlp` runner processes (``--processes 1,2``: the bundled
+configuration with `workers` set), ``--repeats`` trials (3), each on a fresh server writing its
+batch log: it is warmed up and driven at ``--read-rate`` (800 req/s) for ``--seconds``, and the
+runner's capacity (``batchserve_capacity_requests_per_second``, summed over its processes) is
+read at the end of that run. The same server is then swept upwards through ``--rates`` until
+two rates in a row fail, and then half-way between the highest rate that passed and the
+lowest that failed above it until they are at most 200 req/s apart; the highest rate that
+passed (at most 1% non-OK, p99 of the OKs within 100 ms, as in the live table) is what both
+should have said. Last, `batchserve plan` runs on that server's batch log, for that many
+processes, told the client's measured CPU per request (it runs on the same cores). The table
+judges the trials' medians: on a machine others share, one sweep's passing rate moves by a
+third from run to run.
 
-The clients: ``batchserve`` (this project's generator), ``fastload`` (the shared light client)
-and ``loadgen`` (the shared aiohttp client). On two cores ``loadgen`` falls behind its own
-schedule from about 2,000 req/s (its send lag alone passes the limit), so what it passes there
-measures the client; the table says so in its last column, the client's send lag p99.
+The clients: ``batchserve`` (this project's generator) and ``fastload`` (the shared light
+client); ``loadgen`` (the shared aiohttp client) on request. On two cores ``loadgen`` falls
+behind its own schedule from about 2,000 req/s (its send lag alone passes the limit), so what
+it passes there measures the client; the table's last column, the client's send lag p99 at
+the first rate that failed, shows which side failed.
 
     python -m benchmarks.capacity [--processes 1,2] [--clients batchserve,fastload,loadgen]
-        [--rates 1200,1600,...] [--doc docs/monitoring.md]
+        [--repeats 3] [--rates 1200,1600,...] [--doc docs/monitoring.md]
 
-About 12 minutes with the defaults. Run it from the repository root, under the bench lock on a
-shared machine: other work on the cores lowers what passes, and only the gauge sees it.
+About 25 minutes with the defaults. Run it from the repository root, under the bench lock on
+a shared machine: other work on the cores lowers what passes, and only the gauge sees it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,11 +56,9 @@ DOC_END = "<!-- capacity-check: end -->"
 
 
 @dataclass(frozen=True)
-class Check:
-    """One client on one server: the gauge, the sweep after it, and the plan's rate."""
+class Trial:
+    """One fresh server: the gauge, the sweep after it, and the plan's rate."""
 
-    client: str
-    processes: int
     capacity: float
     sweep: tuple[RunResult, ...]
     planned: float | None = None
@@ -68,26 +71,76 @@ class Check:
 
     @property
     def failed(self) -> RunResult | None:
-        """The first run above the highest rate passed, which failed."""
+        """The lowest run above the highest rate passed (it failed)."""
         top = self.passed_rate or 0.0
-        return next((run for run in self.sweep if run.rate > top and not run.passed), None)
+        above = [run for run in self.sweep if run.rate > top]
+        return min(above, key=lambda run: run.rate) if above else None
+
+
+@dataclass(frozen=True)
+class Check:
+    """One client on one number of runner processes: a trial per fresh server, judged on
+    their medians, since on a machine others share one sweep's passing rate moves by a
+    third from run to run."""
+
+    client: str
+    processes: int
+    trials: tuple[Trial, ...]
+
+    @property
+    def capacity(self) -> float:
+        return statistics.median(t.capacity for t in self.trials)
+
+    @property
+    def planned(self) -> float | None:
+        plans = [t.planned for t in self.trials if t.planned]
+        return statistics.median(plans) if plans else None
+
+    @property
+    def passed_rate(self) -> float | None:
+        rates = [t.passed_rate or 0.0 for t in self.trials]
+        return statistics.median(rates) or None
+
+    @property
+    def client_ms(self) -> float:
+        return statistics.median(t.client_ms for t in self.trials)
+
+    @property
+    def median_trial(self) -> Trial:
+        """The trial whose passing rate is the median (the lower one of an even count)."""
+        ranked = sorted(self.trials, key=lambda t: t.passed_rate or 0.0)
+        return ranked[(len(ranked) - 1) // 2]
 
     def against(self, rate: float | None) -> float | None:
-        """`rate` over the highest rate passed."""
+        """`rate` over the median rate passed."""
         passed = self.passed_rate
         return rate / passed if passed and rate else None
 
 
-def sweep(client: Client, url: str, rates: Sequence[float], seconds: float) -> list[RunResult]:
-    """Rates upwards until two in a row fail."""
+def sweep(client: Client, url: str, rates: Sequence[float], seconds: float,
+          resolution: float = 200.0) -> list[RunResult]:
+    """Rates upwards until two in a row fail; then, while the highest rate passed and the
+    lowest failed above it are more than `resolution` apart, the rate half-way between."""
     runs: list[RunResult] = []
-    for index, rate in enumerate(rates):
-        runs.append(client.run(url, rate, seconds, seed=100 + index))
+
+    def run(rate: float) -> None:
+        runs.append(client.run(url, rate, seconds, seed=100 + len(runs)))
         print(f"  {client.name} {rate:g} req/s: p99 {runs[-1].p99_ms} ms, "
               f"non-OK {100 * runs[-1].non_ok:.2f}%", file=sys.stderr, flush=True)
+
+    for rate in rates:
+        run(rate)
         if len(runs) >= 2 and not runs[-1].passed and not runs[-2].passed:
             break
-    return runs
+    while True:
+        trial = Trial(0.0, tuple(runs))
+        failed = trial.failed
+        if failed is None or trial.passed_rate is None:
+            return runs
+        low, high = trial.passed_rate, failed.rate
+        if high - low <= resolution:
+            return runs
+        run(round((low + high) / 2 / 100) * 100)
 
 
 def config_with(processes: int, folder: Path, source: Path) -> Path:
@@ -111,7 +164,12 @@ def planned(logs: Path, config: Path, processes: int, client_ms: float) -> float
 
 
 def check(client: Client, args: argparse.Namespace, processes: int) -> Check:
-    folder = args.logs / f"{client.name}-{processes}"
+    return Check(client.name, processes,
+                 tuple(trial(client, args, processes, index) for index in range(args.repeats)))
+
+
+def trial(client: Client, args: argparse.Namespace, processes: int, index: int) -> Trial:
+    folder = args.logs / f"{client.name}-{processes}-{index}"
     batches = folder / "batches"
     batches.mkdir(parents=True)
     run_args = argparse.Namespace(**vars(args))
@@ -122,13 +180,13 @@ def check(client: Client, args: argparse.Namespace, processes: int) -> Check:
         client.run(url, 200.0, 3.0, seed=999)
         client.run(url, args.read_rate, args.seconds, seed=1)
         capacity = fetch(base).total(CAPACITY, runner=RUNNER)
-        print(f"  {client.name}, {processes} process(es): capacity {capacity:.0f} req/s "
-              f"read at {args.read_rate:g}", file=sys.stderr, flush=True)
+        print(f"  {client.name}, {processes} process(es), trial {index + 1}: capacity "
+              f"{capacity:.0f} req/s read at {args.read_rate:g}", file=sys.stderr, flush=True)
         rates = [float(r) for r in args.rates.split(",")]
         runs = tuple(sweep(client, url, rates, args.seconds))
     client_ms = 1000 * sum(r.client_cpu_s for r in runs) / max(sum(r.sent for r in runs), 1)
     plan = planned(batches, run_args.config, processes, client_ms)
-    return Check(client.name, processes, capacity, runs, plan, client_ms)
+    return Trial(capacity, runs, plan, client_ms)
 
 
 def _rate(rate: float | None) -> str:
@@ -149,14 +207,16 @@ def _failed(run: RunResult | None) -> str:
 
 def markdown(checks: Sequence[Check], read_rate: float = 800.0) -> str:
     lines = [f"| client | runner processes | capacity read at {read_rate:,.0f} req/s | "
-             "plan | highest rate passed | capacity / passed | plan / passed | "
+             "plan | highest rate passed (each trial) | capacity / passed | plan / passed | "
              "client CPU ms/req | first rate failed: p99, client send lag p99 |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c in checks:
+        each = ", ".join(_rate(t.passed_rate) for t in c.trials)
         lines.append(
             f"| {c.client} | {c.processes} | {c.capacity:,.0f} | {_rate(c.planned)} | "
-            f"{_rate(c.passed_rate)} | {_ratio(c.against(c.capacity))} | "
-            f"{_ratio(c.against(c.planned))} | {c.client_ms:.2f} | {_failed(c.failed)} |")
+            f"{_rate(c.passed_rate)} ({each}) | {_ratio(c.against(c.capacity))} | "
+            f"{_ratio(c.against(c.planned))} | {c.client_ms:.2f} | "
+            f"{_failed(c.median_trial.failed)} |")
     return "\n".join(lines)
 
 
@@ -165,11 +225,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--config", type=Path, default=ROOT / "configuration.yml")
     p.add_argument("--processes", default="1,2", help="numbers of mlp runner processes")
     p.add_argument("--api-workers", type=int, default=2)
-    p.add_argument("--clients", default="batchserve,fastload,loadgen",
+    p.add_argument("--clients", default="batchserve,fastload",
                    help="some of batchserve, fastload, loadgen")
     p.add_argument("--read-rate", type=float, default=800.0)
     p.add_argument("--rates", default="1200,1600,2000,2400,2800,3200,3600,4000,4400,4800")
     p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="fresh servers per client and number of processes; medians count")
     p.add_argument("--shared-tools", type=Path, default=ROOT.parent / "shared/tools")
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--doc", type=Path, help=f"also put the table in this file between "

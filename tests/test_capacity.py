@@ -13,7 +13,7 @@ from batchserve.runner.load import LONGEST_SPAN_S, MIN_REQUESTS, LoadMeter
 from batchserve.runner.policy.capacity import Load, batch_within, capacity
 from batchserve.runner.policy.latency_model import Fit
 from batchserve.runner.server import _local
-from benchmarks.capacity import Check, markdown, sweep
+from benchmarks.capacity import Check, Trial, markdown, sweep
 from benchmarks.live_clients import RunResult
 
 # 2 ms a batch plus 0.1 ms a row; the high quantile 1.5x the mean.
@@ -172,19 +172,45 @@ class FakeClient:
         return run_at(rate, 20.0 if ok else 500.0)
 
 
-def test_a_sweep_goes_on_past_one_failure_and_stops_after_two() -> None:
-    client = FakeClient(1600, passes_again=2400)  # a noisy miss at 2,000
-    runs = sweep(client, "", [1200, 1600, 2000, 2400, 2800, 3200, 4000], 1.0)
-    assert client.tried == [1200, 1600, 2000, 2400, 2800, 3200]
-    checked = Check("fake", 1, 2000.0, tuple(runs), planned=2640.0, client_ms=0.35)
-    assert checked.passed_rate == 2400
+def test_a_sweep_goes_on_past_one_failure_and_stops_after_two_then_halves_the_gap() -> None:
+    client = FakeClient(2200, passes_again=2800)  # a noisy pass at 2,800
+    runs = sweep(client, "", [1200, 1600, 2000, 2400, 2800, 3200, 3600, 4000], 1.0)
+    # 2,800 passed by luck: the gap above it is closed (3,000), not the one the limit is in.
+    assert client.tried == [1200, 1600, 2000, 2400, 2800, 3200, 3600, 3000]
+    trial = Trial(2000.0, tuple(runs), planned=2640.0, client_ms=0.35)
+    assert trial.passed_rate == 2800
+    assert trial.failed is not None and trial.failed.rate == 3000
+
+
+def test_the_gap_is_halved_until_it_is_at_most_the_resolution() -> None:
+    client = FakeClient(2300)
+    runs = sweep(client, "", [1200, 1600, 2000, 2400, 2800], 1.0)
+    assert client.tried == [1200, 1600, 2000, 2400, 2800, 2200]  # 2,200 to 2,400: close enough
+    assert Trial(0.0, tuple(runs)).passed_rate == 2200
+    assert len(sweep(FakeClient(2300), "", [1200, 1600, 2000, 2400, 2800], 1.0,
+                     resolution=100)) == 7  # and 2,300
+
+
+def test_the_trials_are_judged_on_their_medians() -> None:
+    def trial(capacity: float, limit: float, plan: float) -> Trial:
+        runs = sweep(FakeClient(limit), "", [1200, 1600, 2000, 2400, 2800, 3200], 1.0)
+        return Trial(capacity, tuple(runs), planned=plan, client_ms=0.35)
+
+    checked = Check("fake", 1, (trial(2100, 2000, 2500), trial(1900, 3200, 2300),
+                                trial(2000, 2400, 2400)))
+    assert checked.capacity == 2000 and checked.planned == 2400
+    assert checked.passed_rate == 2400  # of 2,000, 3,200 and 2,400
     assert checked.against(checked.capacity) == pytest.approx(2000 / 2400)
-    assert checked.failed is not None and checked.failed.rate == 2800
-    assert ("| fake | 1 | 2,000 | 2,640 | 2,400 | 0.83 | 1.10 | 0.35 | 2,800: 500 ms, - |"
-            in markdown([checked]))
+    median = checked.median_trial
+    assert median.passed_rate == 2400 and median.failed is not None
+    assert median.failed.rate == 2600
+    assert ("| fake | 1 | 2,000 | 2,400 | 2,400 (2,000, 3,200, 2,400) | 0.83 | 1.00 | 0.35 | "
+            "2,600: 500 ms, - |" in markdown([checked]))
 
 
 def test_a_sweep_where_nothing_passes_has_no_ratio() -> None:
-    checked = Check("fake", 2, 2000.0, tuple(sweep(FakeClient(0), "", [1, 2, 3], 1.0)))
+    runs = sweep(FakeClient(0), "", [1, 2, 3], 1.0)
+    checked = Check("fake", 2, (Trial(2000.0, tuple(runs)),))
     assert checked.passed_rate is None and checked.against(checked.capacity) is None
-    assert "| fake | 2 | 2,000 | none | none | - | - | 0.00 | 1: 500 ms, - |" in markdown([checked])
+    assert ("| fake | 2 | 2,000 | none | none (none) | - | - | 0.00 | 1: 500 ms, - |"
+            in markdown([checked]))
