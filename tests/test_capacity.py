@@ -44,11 +44,21 @@ def test_a_tighter_limit_means_smaller_batches_and_less_capacity() -> None:
 def test_what_each_request_costs_outside_the_model_bounds_it_on_few_cores() -> None:
     load = Load(rows_per_request=1.0, front_s=0.0004, loop_s=0.0001, used_cores=0.5,
                 idle_cores=0.5, cores=2.0)
-    model_s = FIT.cost(64) / 64
+    model_s = FIT.curve(64) / 64
     assert capacity(FIT, 0.1, 64, load) == pytest.approx(1.0 / (0.0005 + model_s))
     dearer = Load(rows_per_request=1.0, front_s=0.0008, loop_s=0.0001, used_cores=0.5,
                   idle_cores=0.5, cores=2.0)
     assert capacity(FIT, 0.1, 64, dearer) < capacity(FIT, 0.1, 64, load)
+
+
+def test_a_model_on_more_threads_than_its_wall_time_pays_its_cpu_curve() -> None:
+    """A model on two threads spends about twice its wall time in CPU: its cost curve (fitted
+    on CPU time) over its wall time, the stretch, is 0.5. The cores pay the curve."""
+    two_threads = Fit(intercept_s=0.002, slope_s=0.0001, factor=1.5, samples=50, stretch=0.5)
+    load = Load(rows_per_request=1.0, front_s=0.0004, loop_s=0.0001, used_cores=0.5,
+                idle_cores=0.5, cores=2.0)
+    model_s = 2 * two_threads.mean(64) / 64
+    assert capacity(two_threads, 0.1, 64, load) == pytest.approx(1.0 / (0.0005 + model_s))
 
 
 def test_processes_of_one_runner_share_the_idle_cores_and_none_exceeds_its_own() -> None:
@@ -58,7 +68,7 @@ def test_processes_of_one_runner_share_the_idle_cores_and_none_exceeds_its_own()
                idle_cores=1.0, processes=2, cores=4.0)
     capped = Load(rows_per_request=1.0, front_s=0.001, loop_s=0.0, used_cores=0.2,
                   idle_cores=1.0, cores=0.5)
-    per_request_s = 0.001 + FIT.cost(64) / 64
+    per_request_s = 0.001 + FIT.curve(64) / 64
     assert capacity(FIT, 0.1, 64, one) == pytest.approx(1.2 / per_request_s)
     assert capacity(FIT, 0.1, 64, two) == pytest.approx(0.7 / per_request_s)
     assert capacity(FIT, 0.1, 64, capped) == pytest.approx(0.5 / per_request_s)

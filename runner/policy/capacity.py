@@ -64,7 +64,7 @@ def model_rate(fit: Fit, rows: int, rows_per_request: float) -> float:
 
 def core_rate(fit: Fit, rows: int, load: Load) -> float:
     """Requests a second the cores this process may use can pay for, batches of `rows`."""
-    model_s = fit.cost(rows) / rows * load.rows_per_request if rows > 0 else 0.0
+    model_s = fit.curve(rows) / rows * load.rows_per_request if rows > 0 else 0.0
     per_request_s = load.front_s + load.loop_s + model_s
     if per_request_s <= 0.0:
         return math.inf
