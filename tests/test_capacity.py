@@ -9,7 +9,7 @@ import math
 import pytest
 
 from batchserve.api.service import FrontCost
-from batchserve.runner.load import LONGEST_SPAN_S, MIN_REQUESTS, LoadMeter
+from batchserve.runner.load import LONGEST_SPAN_S, MIN_REQUESTS, LoadMeter, per_batch_s
 from batchserve.runner.policy.capacity import Load, batch_within, capacity
 from batchserve.runner.policy.latency_model import Fit
 from batchserve.runner.server import _local
@@ -59,6 +59,68 @@ def test_a_model_on_more_threads_than_its_wall_time_pays_its_cpu_curve() -> None
                 idle_cores=0.5, cores=2.0)
     model_s = 2 * two_threads.mean(64) / 64
     assert capacity(two_threads, 0.1, 64, load) == pytest.approx(1.0 / (0.0005 + model_s))
+
+
+def test_what_every_batch_costs_is_priced_in_the_batches_run_at_capacity() -> None:
+    """0.9 ms a request outside the model now, in batches of two requests, of which 0.8 ms
+    is a batch's (0.4 ms a request): at capacity the batches hold 64, so a request costs
+    0.5 + 0.8 / 64 ms there."""
+    now = Load(rows_per_request=1.0, front_s=0.0006, loop_s=0.0003, used_cores=0.5,
+               idle_cores=0.5, cores=2.0, batches_per_request=0.5, batch_s=0.0008)
+    model_s = FIT.curve(64) / 64
+    expected = 1.0 / (0.0005 + 0.0008 / 64 + model_s)
+    assert capacity(FIT, 0.1, 64, now) == pytest.approx(expected)
+    unknown = Load(rows_per_request=1.0, front_s=0.0006, loop_s=0.0003, used_cores=0.5,
+                   idle_cores=0.5, cores=2.0, batches_per_request=0.5)
+    assert capacity(FIT, 0.1, 64, unknown) == pytest.approx(1.0 / (0.0009 + model_s))
+
+
+def test_the_batch_cost_is_not_spread_over_larger_batches_than_were_seen() -> None:
+    """Told apart on batches of 2 to 4 requests, the batch cost is spread over 4 at most."""
+    seen = Load(rows_per_request=1.0, front_s=0.0006, loop_s=0.0003, used_cores=0.5,
+                idle_cores=0.5, cores=2.0, batches_per_request=0.5, batch_s=0.0008,
+                fewest_batches_per_request=0.25)
+    model_s = FIT.curve(64) / 64
+    expected = 1.0 / (0.0005 + 0.0008 / 4 + model_s)
+    assert capacity(FIT, 0.1, 64, seen) == pytest.approx(expected)
+
+
+def test_batches_larger_now_than_at_capacity_are_not_priced_up() -> None:
+    big = Load(rows_per_request=1.0, front_s=0.0006, loop_s=0.0003, used_cores=0.5,
+               idle_cores=0.5, cores=2.0, batches_per_request=0.01, batch_s=0.0008)
+    model_s = FIT.curve(64) / 64
+    assert capacity(FIT, 0.1, 64, big) == pytest.approx(1.0 / (0.0009 + model_s))
+
+
+def test_a_batch_cost_is_the_slope_of_cost_on_batches_per_request() -> None:
+    spans = [(1.0, 0.0012), (0.5, 0.0008), (0.1, 0.00048), (0.0625, 0.00045)]
+    assert per_batch_s(spans) == pytest.approx(0.0008)
+    assert per_batch_s(spans[:2]) == 0.0  # two spans: too few
+    assert per_batch_s([(0.1, 0.0005), (0.2, 0.0004), (0.3, 0.0006)]) == 0.0  # too alike
+    assert per_batch_s([(1.0, 0.0004), (0.5, 0.0006), (0.1, 0.0008)]) == 0.0  # falls: none
+
+
+def test_the_meter_tells_the_batch_cost_apart_once_batches_differ() -> None:
+    """Spans of one request a batch and of 20: the runner's loop costs 0.1 ms a request and
+    0.5 ms a batch, the API worker 0.3 ms a request and 0.5 ms a batch."""
+    clocks = Clocks()
+    meter = clocks.meter()
+    readings = []
+    for per_batch in (1, 1, 20, 20, 20):
+        batches = 100 // per_batch
+        for _ in range(100):
+            meter.offer(0.0003 + 0.0005 / per_batch)
+        for _ in range(batches):
+            meter.batch(per_batch, per_batch, 0.0)
+        clocks.wall += 1.0
+        clocks.cpu += 100 * 0.0001 + batches * 0.0005
+        readings.append(meter.read())
+    first, last = readings[0], readings[-1]
+    assert first is not None and first.batch_s == 0.0  # one span: nothing told apart
+    assert last is not None and last.batches_per_request == pytest.approx(0.05)
+    assert last.batch_s == pytest.approx(0.001)
+    assert last.fewest_batches_per_request == pytest.approx(0.05)
+    assert last.front_s + last.loop_s == pytest.approx(0.0004 + 0.001 / 20)
 
 
 def test_processes_of_one_runner_share_the_idle_cores_and_none_exceeds_its_own() -> None:

@@ -9,9 +9,13 @@ Two things bound it, and the capacity is the lower:
 - **The cores.** Every request also costs CPU outside the model's batch: in the API workers
   that decode and answer it, and in the runner's own event loop. Those costs are measured,
   per request, as the server runs; the model's CPU per row at batch `n` comes from the
-  latency model's cost curve. The cores the server can use are those it uses now plus those
-  left idle (other processes on the machine keep theirs), shared evenly among the runner's
-  processes.
+  latency model's cost curve. Part of what a request costs outside the model is its batch's
+  share of what every batch costs whatever it holds (wake-ups and frames, in the runner and
+  in the API workers): where the meter could separate that part, the requests are priced in
+  batches of `n`, as they run at capacity (or in the largest batches it saw lately, if
+  smaller), not in the smaller batches of the moment. The
+  cores the server can use are those it uses now plus those left idle (other processes on
+  the machine keep theirs), shared evenly among the runner's processes.
 
 This is pure arithmetic over what the caller measured: the runner's metrics feed it
 (`batchserve.runner.metrics`), and the same function can be fed by a plan.
@@ -43,6 +47,14 @@ class Load:
     """The runner's processes, which share the idle cores."""
     cores: float = float("inf")
     """The cores this process may run on at all (affinity, quota)."""
+    batches_per_request: float = 1.0
+    """Batches run per request lately (1 / requests a batch)."""
+    batch_s: float = 0.0
+    """Of `front_s + loop_s`, the CPU seconds each batch costs whatever it holds, spread over
+    its requests (0 where the meter could not tell it apart)."""
+    fewest_batches_per_request: float = 0.0
+    """The fewest batches per request in the spans `batch_s` was told from: beyond them the
+    line it came from is not trusted."""
 
 
 def batch_within(fit: Fit, max_latency_s: float, max_batch_size: int) -> int:
@@ -65,7 +77,10 @@ def model_rate(fit: Fit, rows: int, rows_per_request: float) -> float:
 def core_rate(fit: Fit, rows: int, load: Load) -> float:
     """Requests a second the cores this process may use can pay for, batches of `rows`."""
     model_s = fit.curve(rows) / rows * load.rows_per_request if rows > 0 else 0.0
-    per_request_s = load.front_s + load.loop_s + model_s
+    at_capacity = load.rows_per_request / rows if rows > 0 else load.batches_per_request
+    at_capacity = max(at_capacity, load.fewest_batches_per_request)
+    spared_s = load.batch_s * max(0.0, load.batches_per_request - at_capacity)
+    per_request_s = load.front_s + load.loop_s - spared_s + model_s
     if per_request_s <= 0.0:
         return math.inf
     cores = min(load.cores, load.used_cores + load.idle_cores / max(load.processes, 1))
