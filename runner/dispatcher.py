@@ -404,8 +404,8 @@ class Dispatcher:
                 f"the request's deadline passed while queued for {self.runner.name!r}",
                 self.max_latency_s,
             )
-        fit = whole.in_time
-        advice = f"send at most {fit} rows a request" if fit else "raise max_latency_ms"
+        in_time = whole.in_time
+        advice = f"send at most {in_time} rows a request" if in_time else "raise max_latency_ms"
         return Rejection(FailureCode.TOO_LARGE, (
             f"{whole.rows} rows did not finish by the request's deadline on runner "
             f"{self.runner.name!r} even when it is idle: its pieces ran slower than its cost "
