@@ -19,8 +19,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from .core.cores import usable_cores
 from .policy.capacity import Load
+from .policy.latency_model import weighted_line
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 MIN_REQUESTS = 20
@@ -42,14 +45,10 @@ def per_batch_s(spans: Sequence[tuple[float, float]]) -> float:
     a runner its wake-ups and frames per request; batches of 16 share them."""
     if len(spans) < 3:
         return 0.0
-    xs = [x for x, _ in spans]
-    if max(xs) - min(xs) < LEAST_SPREAD:
+    each, cost = np.asarray(spans, dtype=float).T
+    if np.ptp(each) < LEAST_SPREAD:
         return 0.0
-    mean_x = sum(xs) / len(xs)
-    mean_y = sum(y for _, y in spans) / len(spans)
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in spans)
-    return max(0.0, sxy / sxx)
+    return max(0.0, weighted_line(each, cost, np.ones_like(each))[1])
 
 
 def machine_idle_s() -> float | None:

@@ -13,9 +13,9 @@ Two things bound it, and the capacity is the lower:
   share of what every batch costs whatever it holds (wake-ups and frames, in the runner and
   in the API workers): where the meter could separate that part, the requests are priced in
   batches of `n`, as they run at capacity (or in the largest batches it saw lately, if
-  smaller), not in the smaller batches of the moment. The
-  cores the server can use are those it uses now plus those left idle (other processes on
-  the machine keep theirs), shared evenly among the runner's processes.
+  smaller), not in the smaller batches of the moment. The cores the server can use are
+  those it uses now plus those left idle (other processes on the machine keep theirs),
+  shared evenly among the runner's processes.
 
 This is pure arithmetic over what the caller measured: the runner's metrics feed it
 (`batchserve.runner.metrics`), and the same function can be fed by a plan.

@@ -307,7 +307,7 @@ def _huber(rows: np.ndarray, millis: np.ndarray, weights: np.ndarray) -> tuple[f
     robust = np.ones_like(weights)
     intercept = slope = 0.0
     for _ in range(HUBER_ROUNDS):
-        intercept, slope = _weighted_line(rows, millis, weights * robust)
+        intercept, slope = weighted_line(rows, millis, weights * robust)
         residual = millis - (intercept + slope * rows)
         scale = MAD_TO_SIGMA * _weighted_median(np.abs(residual), weights)
         if scale <= 0.0:
@@ -316,7 +316,8 @@ def _huber(rows: np.ndarray, millis: np.ndarray, weights: np.ndarray) -> tuple[f
     return intercept, slope
 
 
-def _weighted_line(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+def weighted_line(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    """The weighted least-squares line's intercept and slope (slope 0 when x does not vary)."""
     total = float(np.sum(w))
     mean_x = float(np.dot(w, x)) / total
     mean_y = float(np.dot(w, y)) / total
