@@ -18,11 +18,11 @@ from batchserve.runner.sim.plan import (
     Setting,
     Traffic,
     cpu_only,
-    erlang_c,
     evaluate,
     plan,
     plan_setting,
     recommend,
+    shared_slowdown,
 )
 from batchserve.runner.sim.recording import load_recording, merge
 from batchserve.runner.sim.scenario import Cost
@@ -49,18 +49,28 @@ def inputs(machine: Machine, rate: float = 1000.0, cost: Cost = SLOW) -> Inputs:
 # --- the machine ----------------------------------------------------------------------------
 
 
-def test_one_core_stretches_as_a_single_queue() -> None:
+def test_one_core_slows_a_thread_as_its_busy_share_says() -> None:
     machine = Machine(cores=1, front_s=0.0)
     for load in (0.1, 0.5, 0.9):
-        assert erlang_c(1, load) == pytest.approx(load)
-        assert machine.stretch(load) == pytest.approx(1.0 / (1.0 - load))
+        # Busy while any thread is runnable: 1 - exp(-load * slowdown) = load.
+        assert shared_slowdown(1, load) == pytest.approx(-math.log(1.0 - load) / load)
+        assert machine.stretch(load) == pytest.approx(-math.log(1.0 - load) / load)
+    assert shared_slowdown(1, 0.0) == 1.0
 
 
-def test_two_cores_stretch_less_than_one_at_the_same_share() -> None:
-    # Erlang C with 2 servers and 1 server's worth of work: 1/3 of jobs wait, for 1 service.
-    assert erlang_c(2, 1.0) == pytest.approx(1.0 / 3.0)
-    assert Machine(cores=2, front_s=0.0).stretch(1.0) == pytest.approx(4.0 / 3.0)
-    assert Machine(cores=1, front_s=0.0).stretch(0.5) == pytest.approx(2.0)
+def test_two_cores_slow_a_thread_less_than_one_at_the_same_share() -> None:
+    slowdown = shared_slowdown(2, 1.0)
+    runnable = slowdown * 1.0  # Little's law: the mean runnable threads
+    busy = 2.0 - math.exp(-runnable) * (2.0 + runnable)  # E[min(n, 2)], n Poisson
+    assert busy == pytest.approx(1.0)
+    assert 1.0 < slowdown < shared_slowdown(1, 0.5)
+
+
+def test_the_slowdown_grows_with_the_work_and_stays_near_what_batch_logs_show() -> None:
+    slowdowns = [shared_slowdown(2, load) for load in (0.5, 1.0, 1.5, 1.65, 1.85, 1.99)]
+    assert slowdowns == sorted(slowdowns)
+    # The bundled mlp's batches ran 1.4 to 1.9 times their CPU time at 1.65 to 1.85 cores.
+    assert 1.4 < shared_slowdown(2, 1.65) < shared_slowdown(2, 1.85) < 2.0
 
 
 def test_demand_at_or_over_the_cores_cannot_be_carried() -> None:
