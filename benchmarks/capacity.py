@@ -2,7 +2,7 @@
 
 For each client and each number of `mlp` runner processes (``--processes 1,2``: the bundled
 configuration with `workers` set), ``--repeats`` trials (3), each on a fresh server writing its
-batch log: it is warmed up and driven at ``--read-rate`` (800 req/s) for ``--seconds``, and the
+batch log: it is warmed up and driven at ``--read-rate`` (800 req/s) for 15 s, and the
 runner's capacity (``batchserve_capacity_requests_per_second``, summed over its processes) is
 read at the end of that run. The same server is then swept upwards through ``--rates`` until
 two rates in a row fail, and then half-way between the highest rate that passed and the
@@ -46,10 +46,14 @@ import yaml
 from batchserve.api.bench.loadgen import loop_factory
 from batchserve.api.bench.scrape import fetch
 from batchserve.api.bench.server import batchserve_command, serve
+from batchserve.runner.metrics import CAPACITY_SMOOTHING_S
 from benchmarks.live_clients import Client, OwnClient, RunResult, SharedClient
 from benchmarks.live_table import replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
+READ_S = 3 * CAPACITY_SMOOTHING_S
+"""How long the rate the gauge is read at runs first: the gauge averages the last seconds with
+this time constant, so after three of them what came before (the warm-up) weighs 5%."""
 RUNNER = "mlp"
 CAPACITY = "batchserve_capacity_requests_per_second"
 DOC_START = "<!-- capacity-check: start -->"
@@ -206,7 +210,7 @@ def trial(client: Client, args: argparse.Namespace, processes: int, index: int) 
     with serve(run_args, folder / "server.log", cwd=ROOT, env=env) as (base, _):
         url = f"{base}/v2/models/{RUNNER}/infer"
         client.run(url, 200.0, 3.0, seed=999)
-        client.run(url, args.read_rate, args.seconds, seed=1)
+        client.run(url, args.read_rate, READ_S, seed=1)
         capacity = fetch(base).total(CAPACITY, runner=RUNNER)
         print(f"  {client.name}, {processes} process(es), trial {index + 1}: capacity "
               f"{capacity:.0f} req/s read at {args.read_rate:g}", file=sys.stderr, flush=True)
