@@ -10,9 +10,11 @@ lowest that failed above it until they are at most 200 req/s apart. A run passes
 1% non-OK and the p99 of the OKs within 100 ms, as in the live table; a rate passes when most
 of its runs do (a failed run is run again, and a third run settles a split). The highest rate
 that passed is what both should have said. Last, `batchserve plan` runs on that server's batch
-log, for that many processes, told the client's measured CPU per request (it runs on the same
-cores). The table judges the trials' medians: on a machine others share, one sweep's passing
-rate moves by a third from run to run.
+log, for that many processes, told what the sweep measured: the client's CPU per request (it
+runs on the same cores) and the server's outside the model near its capacity (`front_ms`: what
+a request costs the server depends on the client's requests). The table judges the trials'
+medians: on a machine others share, one sweep's passing rate moves by a third from run to
+run.
 
 The clients: ``batchserve`` (this project's generator) and ``fastload`` (the shared light
 client); ``loadgen`` (the shared aiohttp client) on request. On two cores ``loadgen`` falls
@@ -43,10 +45,12 @@ from pathlib import Path
 
 import yaml
 
+from batchserve.api.bench.cpu import cpu_between, server_cpu
 from batchserve.api.bench.loadgen import loop_factory
 from batchserve.api.bench.scrape import fetch
 from batchserve.api.bench.server import batchserve_command, serve
 from batchserve.runner.metrics import CAPACITY_SMOOTHING_S
+from batchserve.runner.sim.plan_cli import BATCH_MS
 from benchmarks.live_clients import Client, OwnClient, RunResult, SharedClient
 from benchmarks.live_table import replace_block
 
@@ -56,6 +60,11 @@ READ_S = 3 * CAPACITY_SMOOTHING_S
 this time constant, so after three of them what came before (the warm-up) weighs 5%."""
 RUNNER = "mlp"
 CAPACITY = "batchserve_capacity_requests_per_second"
+MODEL_CPU = "batchserve_batch_cpu_seconds_sum"
+BATCHES = "batchserve_batch_cpu_seconds_count"
+NEAR_CAPACITY = 0.75
+"""The runs that tell the plan what the server costs a request near its capacity: those that
+passed at this share of the highest rate passed or more."""
 DOC_START = "<!-- capacity-check: start -->"
 DOC_END = "<!-- capacity-check: end -->"
 
@@ -83,6 +92,7 @@ class Trial:
     sweep: tuple[RunResult, ...]
     planned: float | None = None
     client_ms: float = 0.0  # the client's CPU per request over the sweep, told to the plan
+    front_ms: float | None = None  # the server's outside the model near capacity, told too
 
     @property
     def passed_rate(self) -> float | None:
@@ -129,6 +139,11 @@ class Check:
         return statistics.median(t.client_ms for t in self.trials)
 
     @property
+    def front_ms(self) -> float | None:
+        fronts = [t.front_ms for t in self.trials if t.front_ms is not None]
+        return statistics.median(fronts) if fronts else None
+
+    @property
     def median_trial(self) -> Trial:
         """The trial whose passing rate is the median (the lower one of an even count)."""
         ranked = sorted(self.trials, key=lambda t: t.passed_rate or 0.0)
@@ -138,6 +153,55 @@ class Check:
         """`rate` over the median rate passed."""
         passed = self.passed_rate
         return rate / passed if passed and rate else None
+
+
+@dataclass(frozen=True)
+class ServerCost:
+    """What the server spent on one run: its CPU outside the model thread, for how many
+    requests and batches."""
+
+    rate: float
+    passed: bool
+    outside_model_s: float
+    requests: int
+    batches: float
+
+
+class Metered:
+    """`client`, each of whose runs also measures the server's CPU outside the model: its
+    whole process tree's, less the model thread's (from the runner's metrics)."""
+
+    def __init__(self, client: Client, base: str, pid: int) -> None:
+        self.client, self.name, self._base, self._pid = client, client.name, base, pid
+        self.costs: list[ServerCost] = []
+
+    def run(self, url: str, rate: float, seconds: float, seed: int) -> RunResult:
+        cpu, metrics = server_cpu(self._pid), fetch(self._base)
+        result = self.client.run(url, rate, seconds, seed)
+        spent = cpu_between(cpu, server_cpu(self._pid)).seconds
+        after = fetch(self._base)
+
+        def grew(name: str) -> float:
+            return after.total(name, runner=RUNNER) - metrics.total(name, runner=RUNNER)
+
+        self.costs.append(ServerCost(rate, result.passed, spent - grew(MODEL_CPU), result.sent,
+                                     grew(BATCHES)))
+        return result
+
+
+def front_ms(costs: Sequence[ServerCost], batch_ms: float = BATCH_MS) -> float | None:
+    """The server's CPU per request outside the model's batches near its capacity, as
+    `batchserve plan --front-ms` takes it: over the runs that passed at `NEAR_CAPACITY` of
+    the highest rate passed or more, less the part the plan counts per batch (`batch_ms`).
+    What a request costs the server depends on the client's requests (a body twice as long
+    takes longer to read and decode), so each client's is measured; None if none passed."""
+    top = max((c.rate for c in costs if c.passed), default=None)
+    if top is None:
+        return None
+    near = [c for c in costs if c.passed and c.rate >= NEAR_CAPACITY * top]
+    requests = sum(c.requests for c in near)
+    outside = sum(c.outside_model_s for c in near) * 1000.0
+    return max(0.0, (outside - batch_ms * sum(c.batches for c in near)) / requests)
 
 
 def sweep(client: Client, url: str, rates: Sequence[float], seconds: float,
@@ -184,11 +248,15 @@ def config_with(processes: int, folder: Path, source: Path) -> Path:
     return path
 
 
-def planned(logs: Path, config: Path, processes: int, client_ms: float) -> float:
-    """The plan's passing rate for `processes` from the batch logs in `logs`."""
+def planned(logs: Path, config: Path, processes: int, client_ms: float,
+            front: float | None) -> float:
+    """The plan's passing rate for `processes` from the batch logs in `logs`, told the
+    client's CPU per request and the server's outside the model (its default if None)."""
     command = [*batchserve_command(), "plan", "--batch-log", str(logs), "--config", str(config),
                "--runner", RUNNER, "--target", "1000", "--processes", str(processes),
                "--client-ms", f"{client_ms:.3f}", "--json"]
+    if front is not None:
+        command += ["--front-ms", f"{front:.3f}"]
     report = json.loads(subprocess.run(command, capture_output=True, text=True,
                                        check=True).stdout)
     [setting] = report["settings"]
@@ -207,7 +275,7 @@ def trial(client: Client, args: argparse.Namespace, processes: int, index: int) 
     run_args = argparse.Namespace(**vars(args))
     run_args.config = config_with(processes, folder, args.config)
     env = dict(os.environ, BATCHSERVE_BATCH_LOG=str(batches))
-    with serve(run_args, folder / "server.log", cwd=ROOT, env=env) as (base, _):
+    with serve(run_args, folder / "server.log", cwd=ROOT, env=env) as (base, pid):
         url = f"{base}/v2/models/{RUNNER}/infer"
         client.run(url, 200.0, 3.0, seed=999)
         client.run(url, args.read_rate, READ_S, seed=1)
@@ -215,10 +283,12 @@ def trial(client: Client, args: argparse.Namespace, processes: int, index: int) 
         print(f"  {client.name}, {processes} process(es), trial {index + 1}: capacity "
               f"{capacity:.0f} req/s read at {args.read_rate:g}", file=sys.stderr, flush=True)
         rates = [float(r) for r in args.rates.split(",")]
-        runs = tuple(sweep(client, url, rates, args.seconds))
+        metered = Metered(client, base, pid)
+        runs = tuple(sweep(metered, url, rates, args.seconds))
     client_ms = 1000 * sum(r.client_cpu_s for r in runs) / max(sum(r.sent for r in runs), 1)
-    plan = planned(batches, run_args.config, processes, client_ms)
-    return Trial(capacity, runs, plan, client_ms)
+    front = front_ms(metered.costs)
+    plan = planned(batches, run_args.config, processes, client_ms, front)
+    return Trial(capacity, runs, plan, client_ms, front)
 
 
 def _rate(rate: float | None) -> str:
@@ -227,6 +297,10 @@ def _rate(rate: float | None) -> str:
 
 def _ratio(ratio: float | None) -> str:
     return f"{ratio:.2f}" if ratio else "-"
+
+
+def _ms(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.2f}"
 
 
 def _failed(run: RunResult | None) -> str:
@@ -240,14 +314,15 @@ def _failed(run: RunResult | None) -> str:
 def markdown(checks: Sequence[Check], read_rate: float = 800.0) -> str:
     lines = [f"| client | runner processes | capacity read at {read_rate:,.0f} req/s | "
              "plan | highest rate passed (each trial) | capacity / passed | plan / passed | "
-             "client CPU ms/req | first rate failed: p99, client send lag p99 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "client CPU ms/req | server CPU ms/req outside the model | "
+             "first rate failed: p99, client send lag p99 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c in checks:
         each = ", ".join(_rate(t.passed_rate) for t in c.trials)
         lines.append(
             f"| {c.client} | {c.processes} | {c.capacity:,.0f} | {_rate(c.planned)} | "
             f"{_rate(c.passed_rate)} ({each}) | {_ratio(c.against(c.capacity))} | "
-            f"{_ratio(c.against(c.planned))} | {c.client_ms:.2f} | "
+            f"{_ratio(c.against(c.planned))} | {c.client_ms:.2f} | {_ms(c.front_ms)} | "
             f"{_failed(c.median_trial.failed)} |")
     return "\n".join(lines)
 

@@ -14,7 +14,15 @@ from batchserve.runner.load import LONGEST_SPAN_S, MIN_REQUESTS, LoadMeter, per_
 from batchserve.runner.policy.capacity import Load, batch_within, capacity
 from batchserve.runner.policy.latency_model import Fit
 from batchserve.runner.server import _local
-from benchmarks.capacity import Check, Trial, markdown, sweep, verdicts
+from benchmarks.capacity import (
+    Check,
+    ServerCost,
+    Trial,
+    front_ms,
+    markdown,
+    sweep,
+    verdicts,
+)
 from benchmarks.live_clients import RunResult
 
 # 2 ms a batch plus 0.1 ms a row; the high quantile 1.5x the mean.
@@ -286,7 +294,8 @@ def test_the_gap_is_halved_until_it_is_at_most_the_resolution() -> None:
 def test_the_trials_are_judged_on_their_medians() -> None:
     def trial(capacity: float, limit: float, plan: float) -> Trial:
         runs = sweep(FakeClient(limit), "", [1200, 1600, 2000, 2400, 2800, 3200], 1.0)
-        return Trial(capacity, tuple(runs), planned=plan, client_ms=0.35)
+        return Trial(capacity, tuple(runs), planned=plan, client_ms=0.35,
+                     front_ms=plan / 5000.0 - 0.03)
 
     checked = Check("fake", 1, (trial(2100, 2000, 2500), trial(1900, 3200, 2300),
                                 trial(2000, 2400, 2400)))
@@ -297,12 +306,22 @@ def test_the_trials_are_judged_on_their_medians() -> None:
     assert median.passed_rate == 2400 and median.failed is not None
     assert median.failed.rate == 2600
     assert ("| fake | 1 | 2,000 | 2,400 | 2,400 (2,000, 3,200, 2,400) | 0.83 | 1.00 | 0.35 | "
-            "2,600: 500 ms, - |" in markdown([checked]))
+            "0.45 | 2,600: 500 ms, - |" in markdown([checked]))
 
 
 def test_a_sweep_where_nothing_passes_has_no_ratio() -> None:
     runs = sweep(FakeClient(0), "", [1, 2, 3], 1.0)
     checked = Check("fake", 2, (Trial(2000.0, tuple(runs)),))
     assert checked.passed_rate is None and checked.against(checked.capacity) is None
-    assert ("| fake | 2 | 2,000 | none | none (none) | - | - | 0.00 | 1: 500 ms, - |"
+    assert ("| fake | 2 | 2,000 | none | none (none) | - | - | 0.00 | - | 1: 500 ms, - |"
             in markdown([checked]))
+
+
+def test_the_plan_is_told_the_servers_cost_near_its_capacity_less_its_batches() -> None:
+    costs = [ServerCost(1200, True, 1.0, 1000, 50),  # far below the top: not counted
+             ServerCost(2400, True, 1.0, 2000, 100),
+             ServerCost(2800, True, 1.2, 2000, 80),
+             ServerCost(3200, False, 0.1, 3000, 10)]  # failed: its refusals cost little
+    # (1,000 + 1,200 ms - 0.5 ms * 180 batches) / 4,000 requests
+    assert front_ms(costs, batch_ms=0.5) == pytest.approx((2200.0 - 90.0) / 4000.0)
+    assert front_ms(costs[3:]) is None
