@@ -25,7 +25,7 @@ the first rate that failed, shows which side failed.
     python -m benchmarks.capacity [--processes 1,2] [--clients batchserve,fastload,loadgen]
         [--repeats 3] [--rates 1200,1600,...] [--doc docs/monitoring.md]
 
-About 35 minutes with the defaults. Run it from the repository root, under the bench lock on
+About 30 minutes with the defaults. Run it from the repository root, under the bench lock on
 a shared machine: other work on the cores lowers what passes, and only the gauge sees it.
 """
 
