@@ -45,14 +45,13 @@ from pathlib import Path
 
 import yaml
 
-from batchserve.api.bench.cpu import cpu_between, server_cpu
 from batchserve.api.bench.loadgen import loop_factory
 from batchserve.api.bench.scrape import fetch
 from batchserve.api.bench.server import batchserve_command, serve
 from batchserve.runner.metrics import CAPACITY_SMOOTHING_S
 from batchserve.runner.sim.plan_cli import BATCH_MS
 from benchmarks.live_clients import Client, OwnClient, RunResult, SharedClient
-from benchmarks.live_table import replace_block
+from benchmarks.live_table import observed, replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
 READ_S = 3 * CAPACITY_SMOOTHING_S
@@ -60,8 +59,6 @@ READ_S = 3 * CAPACITY_SMOOTHING_S
 this time constant, so after three of them what came before (the warm-up) weighs 5%."""
 RUNNER = "mlp"
 CAPACITY = "batchserve_capacity_requests_per_second"
-MODEL_CPU = "batchserve_batch_cpu_seconds_sum"
-BATCHES = "batchserve_batch_cpu_seconds_count"
 NEAR_CAPACITY = 0.75
 """The runs that tell the plan what the server costs a request near its capacity: those that
 passed at this share of the highest rate passed or more."""
@@ -157,14 +154,14 @@ class Check:
 
 @dataclass(frozen=True)
 class ServerCost:
-    """What the server spent on one run: its CPU outside the model thread, for how many
-    requests and batches."""
+    """What the server spent on one run: its CPU per request outside the model thread, for
+    how many requests and batches."""
 
     rate: float
     passed: bool
-    outside_model_s: float
+    outside_model_ms: float
     requests: int
-    batches: float
+    batches: int
 
 
 class Metered:
@@ -176,16 +173,10 @@ class Metered:
         self.costs: list[ServerCost] = []
 
     def run(self, url: str, rate: float, seconds: float, seed: int) -> RunResult:
-        cpu, metrics = server_cpu(self._pid), fetch(self._base)
-        result = self.client.run(url, rate, seconds, seed)
-        spent = cpu_between(cpu, server_cpu(self._pid)).seconds
-        after = fetch(self._base)
-
-        def grew(name: str) -> float:
-            return after.total(name, runner=RUNNER) - metrics.total(name, runner=RUNNER)
-
-        self.costs.append(ServerCost(rate, result.passed, spent - grew(MODEL_CPU), result.sent,
-                                     grew(BATCHES)))
+        (result,), seen = observed(self._base, self._pid,
+                                   lambda: (self.client.run(url, rate, seconds, seed),))
+        outside = (seen.cpu_ms_per_req or 0.0) - (seen.model_cpu_ms_per_req or 0.0)
+        self.costs.append(ServerCost(rate, result.passed, outside, result.sent, seen.batches))
         return result
 
 
@@ -200,7 +191,7 @@ def front_ms(costs: Sequence[ServerCost], batch_ms: float = BATCH_MS) -> float |
         return None
     near = [c for c in costs if c.passed and c.rate >= NEAR_CAPACITY * top]
     requests = sum(c.requests for c in near)
-    outside = sum(c.outside_model_s for c in near) * 1000.0
+    outside = sum(c.outside_model_ms * c.requests for c in near)
     return max(0.0, (outside - batch_ms * sum(c.batches for c in near)) / requests)
 
 

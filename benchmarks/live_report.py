@@ -24,6 +24,7 @@ class Window:
     cpu_ms_per_req: float | None
     codes: dict[str, float]  # answers the server counted, by status
     rejections: dict[str, float]  # refusals by reason
+    model_cpu_ms_per_req: float | None = None  # of cpu_ms_per_req, the model thread's
 
     @property
     def model_holds(self) -> bool | None:

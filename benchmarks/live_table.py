@@ -51,6 +51,8 @@ def window(before: Scrape, after: Scrape, cpu_s: float, sent: int) -> Window:
     rows = after.total(f"{size}_sum", runner=MODEL) - before.total(f"{size}_sum", runner=MODEL)
     batches = after.total(f"{size}_count", runner=MODEL) - before.total(
         f"{size}_count", runner=MODEL)
+    model_s = "batchserve_batch_cpu_seconds_sum"
+    model_cpu_s = after.total(model_s, runner=MODEL) - before.total(model_s, runner=MODEL)
     codes = "batchserve_requests_total"
     rejected = "batchserve_rejections_total"
     return Window(
@@ -62,6 +64,7 @@ def window(before: Scrape, after: Scrape, cpu_s: float, sent: int) -> Window:
                     after.by_label(codes, "code", runner=MODEL)),
         rejections=delta(before.by_label(rejected, "reason", runner=MODEL),
                          after.by_label(rejected, "reason", runner=MODEL)),
+        model_cpu_ms_per_req=model_cpu_s * 1e3 / sent if sent else None,
     )
 
 

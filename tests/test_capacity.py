@@ -319,9 +319,9 @@ def test_a_sweep_where_nothing_passes_has_no_ratio() -> None:
 
 def test_the_plan_is_told_the_servers_cost_near_its_capacity_less_its_batches() -> None:
     costs = [ServerCost(1200, True, 1.0, 1000, 50),  # far below the top: not counted
-             ServerCost(2400, True, 1.0, 2000, 100),
-             ServerCost(2800, True, 1.2, 2000, 80),
-             ServerCost(3200, False, 0.1, 3000, 10)]  # failed: its refusals cost little
+             ServerCost(2400, True, 0.5, 2000, 100),
+             ServerCost(2800, True, 0.6, 2000, 80),
+             ServerCost(3200, False, 0.03, 3000, 10)]  # failed: its refusals cost little
     # (1,000 + 1,200 ms - 0.5 ms * 180 batches) / 4,000 requests
     assert front_ms(costs, batch_ms=0.5) == pytest.approx((2200.0 - 90.0) / 4000.0)
     assert front_ms(costs[3:]) is None
