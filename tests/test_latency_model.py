@@ -278,3 +278,44 @@ def test_the_tail_is_read_once_a_hundred_batches_hold_a_p99() -> None:
         cpu = batch_time(8, rng)
         model.add(8, cpu * (4.0 if i % 20 == 0 else 1.0), cpu)
     assert refit(model).factor > 3.0
+
+
+def test_the_lines_error_is_shared_by_every_batch_a_promise_adds_up() -> None:
+    fit = Fit(intercept_s=0.005, slope_s=0.0005, error=(1e-8, -1e-10, 4e-12))
+    one = fit.line_error(1, 64)
+    assert one == pytest.approx((1e-8 - 2 * 64 * 1e-10 + 64 * 64 * 4e-12) ** 0.5)
+    assert fit.line_error(3, 192) == pytest.approx(3 * one)  # three like batches: 3x, not √3x
+    assert Fit().line_error(4, 256) == 0.0
+
+
+def after_a_load_step(seed: int, big: int) -> Fit:
+    """Batches of a few rows, then `big` batches of 256 rows, as when the load triples."""
+    rng = random.Random(seed)
+    model = LatencyModel()
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256) * 2
+    model.calibrate([Timing(n, t, t) for n in sizes for t in [batch_time(n, rng)]])
+    for _ in range(128 - big):
+        rows = rng.randint(2, 12)
+        add(model, rows, batch_time(rows, rng))
+    for _ in range(big):
+        add(model, 256, batch_time(256, rng))
+    return fit_samples(model.snapshot())
+
+
+def test_the_lines_error_is_what_its_mean_misses_by_after_a_load_step() -> None:
+    # A slope resting on a few large batches errs by a few percent; the error the fit
+    # reports is what it misses by, neither a small share of it nor many times it.
+    true = INTERCEPT_S + SLOPE_S * 256
+    scores = []
+    for seed in range(300):
+        fit = after_a_load_step(seed, big=4)
+        scores.append((fit.mean(256) - true) / fit.line_error(1, 256))
+    spread = (sum(z * z for z in scores) / len(scores)) ** 0.5
+    assert 0.7 < spread < 1.4
+    assert sum(abs(z) > 3.5 for z in scores) <= 3
+
+
+def test_the_lines_error_shrinks_as_batches_of_a_size_come() -> None:
+    few, many = after_a_load_step(7, big=4), after_a_load_step(7, big=64)
+    assert few.line_error(1, 256) > 2.0 * many.line_error(1, 256)
+    assert many.line_error(1, 256) < 0.01 * many.mean(256)

@@ -439,6 +439,20 @@ def test_an_idle_model_admits_what_fits_its_cost_curve_whatever_the_stretch() ->
     assert not idle.offer(request(3, 0.0), 0.0)  # truly too slow on the curve: refused
 
 
+def test_a_promise_counts_the_lines_own_error_once_for_every_batch() -> None:
+    sure, unsure = adaptive(size=8), adaptive(size=8)
+    unsure.apply_fit(Fit(intercept_s=0.005, slope_s=0.0005, factor=1.0, samples=1,
+                         error=(0.0, 0.0, 1e-10)))  # the slope is known to 10 us a row
+    for policy in (sure, unsure):
+        for ident in range(20):
+            assert policy.offer(request(ident, 0.0), 0.0)
+    # Nothing runs yet; 20 rows queued and the new one make batches of 8 and 8 and its own,
+    # which the rows expected to join fill to 8: 24 rows whose slope errs alike, by
+    # 24 * 10 us = 0.24 ms at one sigma; the promise keeps promise_k (3.3) sigmas of it.
+    shift = unsure.promised_finish(1, 0.0) - sure.promised_finish(1, 0.0)
+    assert shift == pytest.approx(3.3 * 24 * 1e-5, rel=1e-6)
+
+
 def test_promises_count_the_idle_gap_between_back_to_back_batches() -> None:
     policy = adaptive(intercept=0.004, slope=0.0, size=1)
     now = 0.0

@@ -260,7 +260,7 @@ class AdaptivePolicy:
         """
         intercept_s, slope_s = self._costs.mean_intercept_s, self._costs.mean_slope_s
         start, running_s = self._next_start(now)
-        sums = _Sums(running_s)
+        sums = _Sums(running_s, self._busy.rows)
         cap, waiting = self.cap, self._waiting
         own = waiting.group_rows.get(group, 0)
         alone = waiting.only(group)
@@ -275,8 +275,8 @@ class AdaptivePolicy:
                 full, rest = full - 1, cap
             batch_s = intercept_s + slope_s * cap
             ahead = first_s + full * batch_s
-            sums.add(first_s)
-            sums.add(batch_s, full)
+            sums.add(first_s, 1, first)
+            sums.add(batch_s, full, cap)
             room, batches = cap, 2 + full
         if not alone:
             others_s, others = self._other_groups(group, sums)
@@ -292,8 +292,9 @@ class AdaptivePolicy:
             # what arrives once its end is in sight joins the batch after it.
             rate = max(rate, rates.rows.rate(now))
         joining = rate * (start + ahead - now)
-        own_s = intercept_s + slope_s * min(room, rest + joining)
-        sums.add(own_s)
+        own_rows = min(room, rest + joining)
+        own_s = intercept_s + slope_s * own_rows
+        sums.add(own_s, 1, own_rows)
         return start + ahead + own_s + self._reserve(sums, deadline - now)
 
     def _other_groups(self, group: tuple[str, ...], sums: _Sums) -> tuple[float, int]:
@@ -307,7 +308,7 @@ class AdaptivePolicy:
                 continue
             batches = -(-key_rows // cap)
             batch_s = intercept_s + slope_s * key_rows / batches
-            sums.add(batch_s, batches)
+            sums.add(batch_s, batches, key_rows / batches)
             seconds += batches * batch_s
             count += batches
         return seconds, count
@@ -317,8 +318,11 @@ class AdaptivePolicy:
         model before one of them running to its high quantile.
 
         Noise within the normal spread is independent from batch to batch and adds in
-        quadrature. The heavy tail beyond it (contention, measured as the stretches' own 99th
-        percentile) adds as a `TAIL_INDEX`-norm: nearer the largest batch's than quadrature's.
+        quadrature. An error in the fitted line is not: it is the same in every batch, so it
+        adds up whole over them (`Fit.line_error`), then joins that noise in quadrature,
+        being independent of it. The heavy tail beyond it (contention, measured as the
+        stretches' own 99th percentile) adds as a `TAIL_INDEX`-norm: nearer the largest
+        batch's than quadrature's.
         A long wait for the model is the same contention seen between batches, and joins
         that norm: adding it whole to the batches' tail counted two rare delays as one that
         always comes, and on cores a busy neighbour took (a 50 ms wait and 20-fold batches at
@@ -334,7 +338,9 @@ class AdaptivePolicy:
         k, margin = self.model.quantile_k, self._costs.margin
         normal = min(margin, k * self._costs.fit.spread)
         tail = margin - normal
-        normal_part = self.tuning.promise_k / k * normal * math.sqrt(sums.squares)
+        line_s = self._costs.fit.line_error(sums.batches, sums.rows)
+        normal_part = self.tuning.promise_k / k * math.sqrt(
+            normal * normal * sums.squares + k * k * line_s * line_s)
         tail_part = tail * sums.tail_norm()
         gap_s = self._gaps.high - self._gaps.mean
         if gap_s > 0.0:
@@ -382,8 +388,8 @@ class AdaptivePolicy:
             return False
         start, running_s = self._next_start(now)
         batch_s = self._costs.mean_intercept_s + self._costs.mean_slope_s * rows
-        sums = _Sums(running_s)
-        sums.add(batch_s)
+        sums = _Sums(running_s, self._busy.rows)
+        sums.add(batch_s, 1, rows)
         finish = start + self._gaps.mean + batch_s + self._reserve(sums, request.deadline - now)
         earliest = min((queued.deadline for queued in waiting.requests), default=math.inf)
         if finish > min(earliest, request.deadline):
@@ -619,17 +625,23 @@ class AdaptivePolicy:
 
 
 class _Sums:
-    """Sums of squares and of `TAIL_INDEX` powers of batch means, for `_reserve`."""
+    """Sums of squares and of `TAIL_INDEX` powers of batch means, for `_reserve`, and the
+    batches and rows they hold, for the line's own error."""
 
-    __slots__ = ("squares", "powers")
+    __slots__ = ("squares", "powers", "batches", "rows")
 
-    def __init__(self, first_s: float = 0.0) -> None:
+    def __init__(self, first_s: float = 0.0, first_rows: int = 0) -> None:
         self.squares = first_s * first_s
         self.powers = first_s**TAIL_INDEX
+        self.batches = 1.0 if first_s > 0.0 else 0.0
+        self.rows = float(first_rows)
 
-    def add(self, mean_s: float, count: int = 1) -> None:
+    def add(self, mean_s: float, count: int = 1, rows: float = 0.0) -> None:
+        """`count` batches of mean `mean_s`, `rows` rows each."""
         self.squares += count * mean_s * mean_s
         self.powers += count * mean_s**TAIL_INDEX
+        self.batches += count
+        self.rows += count * rows
 
     def tail_norm(self) -> float:
         return float(self.powers ** (1.0 / TAIL_INDEX))

@@ -78,6 +78,18 @@ class Fit:
     tail: float = 1.0
     """The recent stretches' 99th percentile over their median, as last read from at least
     `Tuning.tail_samples` batches."""
+    error: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """The fitted line's own uncertainty, as the variances of its intercept and slope and
+    their covariance (s², s²/row², s²/row): what its samples, each as noisy as the cost
+    spread says, leave unknown."""
+
+    def line_error(self, batches: float, rows: float) -> float:
+        """The standard error of the summed means of `batches` batches of `rows` rows in all:
+        an error in the line is shared by every batch, so it adds up whole."""
+        v_intercept, v_both, v_slope = self.error
+        variance = (batches * batches * v_intercept + 2.0 * batches * rows * v_both
+                    + rows * rows * v_slope)
+        return math.sqrt(max(variance, 0.0))
 
     def mean(self, rows: int) -> float:
         return self.intercept_s + self.slope_s * rows
@@ -225,7 +237,7 @@ def fit_samples(snapshot: Snapshot) -> Fit:
     rows = np.asarray(snapshot.rows, dtype=float)
     millis = np.asarray(snapshot.cost_s, dtype=float) * 1000.0  # Huber's tolerances like ms
     weights = np.asarray(snapshot.weights, dtype=float)
-    intercept, slope = _line(rows, millis, weights)
+    intercept, slope, used = _line(rows, millis, weights)
     cost_spread = max(
         _robust_spread(millis / np.maximum(intercept + slope * rows, 1e-9) - 1.0, weights),
         tuning.min_spread,
@@ -246,6 +258,8 @@ def fit_samples(snapshot: Snapshot) -> Fit:
         read = snapshot.previous.tail
         overruns = snapshot.previous.overruns
     spread = max(spread, tuning.min_spread)
+    scale = stretch / 1000.0
+    v_intercept, v_both, v_slope = _line_covariance(rows, used, intercept, slope, cost_spread)
     return Fit(
         intercept_s=stretch * intercept / 1000.0,
         slope_s=stretch * slope / 1000.0,
@@ -256,6 +270,7 @@ def fit_samples(snapshot: Snapshot) -> Fit:
         cost_factor=1.0 + tuning.quantile_k * cost_spread,
         overruns=overruns,
         tail=read,
+        error=(v_intercept * scale * scale, v_both * scale * scale, v_slope * scale * scale),
     )
 
 
@@ -279,26 +294,56 @@ def _quantile(values: np.ndarray, q: float) -> float:
     return float(ordered[min(ordered.size - 1, int(q * ordered.size))])
 
 
-def _line(rows: np.ndarray, millis: np.ndarray, weights: np.ndarray) -> tuple[float, float]:
-    """Intercept and slope (ms, ms/row), both kept non-negative."""
+def _line(
+    rows: np.ndarray, millis: np.ndarray, weights: np.ndarray
+) -> tuple[float, float, np.ndarray]:
+    """Intercept and slope (ms, ms/row), both kept non-negative, and the weights they were
+    fitted with (the robust ones included)."""
     if np.unique(rows).size < 2:
         # One size only (no calibration): a line through the origin is the cautious guess, as
         # it over-predicts larger batches; the cap stays small until larger sizes are seen.
         mean = float(np.average(millis / rows, weights=weights))
-        return 0.0, mean
-    intercept, slope = _huber(rows, millis, weights)
+        return 0.0, mean, weights
+    intercept, slope, used = _huber(rows, millis, weights)
     if slope < 0.0:
-        return float(np.average(millis, weights=weights)), 0.0
+        return float(np.average(millis, weights=weights)), 0.0, used
     if intercept < 0.0:
-        return 0.0, _through_origin(rows, millis, weights)
-    return intercept, slope
+        return 0.0, _through_origin(rows, millis, weights), used
+    return intercept, slope, used
+
+
+def _line_covariance(
+    rows: np.ndarray, weights: np.ndarray, intercept: float, slope: float, spread: float
+) -> tuple[float, float, float]:
+    """The covariance of a weighted line's intercept and slope when each sample's noise is
+    `spread` of its mean (the sandwich estimate: the weights are recency's, not the noise's).
+
+    The recency weights keep few of the large batches a load step brings: in the first
+    seconds the slope stands on a handful of them, and their noise is the promise's too.
+    """
+    s0, s1, s2 = (float(np.sum(weights)), float(np.dot(weights, rows)),
+                  float(np.dot(weights, rows * rows)))
+    det = s0 * s2 - s1 * s1
+    if det <= 0.0:
+        return 0.0, 0.0, 0.0
+    noise = weights * spread * (intercept + slope * rows)
+    w2 = noise * noise
+    m0, m1, m2 = float(np.sum(w2)), float(np.dot(w2, rows)), float(np.dot(w2, rows * rows))
+    # the inverse of [[s0, s1], [s1, s2]] is [[s2, -s1], [-s1, s0]] / det
+    a, b, c = s2 / det, -s1 / det, s0 / det
+    v00 = a * a * m0 + 2 * a * b * m1 + b * b * m2
+    v01 = a * b * m0 + (a * c + b * b) * m1 + b * c * m2
+    v11 = b * b * m0 + 2 * b * c * m1 + c * c * m2
+    return v00, v01, v11
 
 
 def _through_origin(rows: np.ndarray, millis: np.ndarray, weights: np.ndarray) -> float:
     return float(np.sum(weights * rows * millis) / np.sum(weights * rows * rows))
 
 
-def _huber(rows: np.ndarray, millis: np.ndarray, weights: np.ndarray) -> tuple[float, float]:
+def _huber(
+    rows: np.ndarray, millis: np.ndarray, weights: np.ndarray
+) -> tuple[float, float, np.ndarray]:
     """A Huber M-estimate by iteratively reweighted least squares, each round in closed form.
 
     One feature needs no solver: four weighted means per round, some microseconds in all,
@@ -313,7 +358,7 @@ def _huber(rows: np.ndarray, millis: np.ndarray, weights: np.ndarray) -> tuple[f
         if scale <= 0.0:
             break
         robust = np.minimum(1.0, HUBER_EPSILON * scale / np.maximum(np.abs(residual), 1e-12))
-    return intercept, slope
+    return intercept, slope, weights * robust
 
 
 def weighted_line(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:

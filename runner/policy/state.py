@@ -104,6 +104,11 @@ class Running:
     chained: bool = False
     """The running batch went out at once after the one before."""
 
+    @property
+    def rows(self) -> int:
+        """The running batch's rows; 0 when the model is idle."""
+        return 0 if self.batch is None else self.batch.rows
+
 
 @dataclass(slots=True)
 class Rates:
