@@ -197,28 +197,47 @@ def test_the_hold_gathers_the_rows_at_which_the_intercept_is_half_the_batch() ->
     policy = adaptive()
     # 1,600 rows/s, intercept 0.5 ms, 0.07 ms a row: one at a time the model would be busy
     # 91% of the time; 0.5 / 0.07 = 7.14 rows halve the fixed cost, and come in 4.46 ms.
-    assert policy.hold_s(0.0005, 0.00007, 1600) == pytest.approx(0.0005 / 0.00007 / 1600)
+    assert policy.hold_s(0.0005, 0.00007, 1600, 64) == pytest.approx(0.0005 / 0.00007 / 1600)
     # The 20 rows it takes to amortise a 2 ms intercept arrive in 12.5 ms at 1,600/s...
-    assert policy.hold_s(0.002, 0.0001, 1600) == pytest.approx(0.0125)
+    assert policy.hold_s(0.002, 0.0001, 1600, 64) == pytest.approx(0.0125)
     # ...and however many it would take, the hold is never longer than a fifth of the limit.
-    assert policy.hold_s(0.005, 0.00001, 1000) == pytest.approx(0.2 * SLO)
+    assert policy.hold_s(0.005, 0.00001, 1000, 64) == pytest.approx(0.2 * SLO)
 
 
 def test_nothing_is_held_while_the_model_would_mostly_idle() -> None:
     policy = adaptive()
     # 100 rows/s at 0.57 ms each keep a model busy 5.7% of the time: no hold.
-    assert policy.hold_s(0.0005, 0.00007, 100) == 0.0
+    assert policy.hold_s(0.0005, 0.00007, 100, 64) == 0.0
     # Just under and just over half the time.
-    assert policy.hold_s(0.0005, 0.00007, 870) == 0.0
-    assert policy.hold_s(0.0005, 0.00007, 880) > 0.0
+    assert policy.hold_s(0.0005, 0.00007, 870, 64) == 0.0
+    assert policy.hold_s(0.0005, 0.00007, 880, 64) > 0.0
+
+
+def test_a_hold_is_judged_at_the_batch_it_can_gather() -> None:
+    policy = adaptive()
+    # An intercept of 50 rows' time (5 ms, 0.1 ms a row) under a cap of 8: the hold gathers
+    # 8 rows, which come in 16 ms at 500 rows/s (batches of 8 keep the model 36% busy)...
+    assert policy.hold_s(0.005, 0.0001, 500, 8) == pytest.approx(0.016)
+    # ...and at 1,000 rows/s batches of 8 would keep it 72.5% busy: the queue fills them.
+    assert policy.hold_s(0.005, 0.0001, 1000, 8) == 0.0
+    # Under a cap of 64, batches of 50 rows keep it 20% busy: hold, a fifth of the limit.
+    assert policy.hold_s(0.005, 0.0001, 1000, 64) == pytest.approx(0.2 * SLO)
+    # A 10 ms intercept at 60 rows/s: one at a time keeps the model 61% busy, but in the
+    # 20 ms a hold may last 1.2 rows come, and batches of 1.2 rows keep it 51% busy...
+    assert policy.hold_s(0.01, 0.0001, 60, 64) == 0.0
+    # ...where with an 8 ms intercept at 100 rows/s, batches of the 2 rows that come in
+    # 20 ms keep it 41% busy.
+    assert policy.hold_s(0.008, 0.0001, 100, 64) == pytest.approx(0.2 * SLO)
+    # A line through the origin has no fixed cost to amortise.
+    assert policy.hold_s(0.0, 0.0005, 1600, 64) == 0.0
 
 
 def test_nothing_is_held_near_capacity_where_the_queue_fills_batches_itself() -> None:
     policy = adaptive()
     # Batches of 10 rows (5 ms + 10 * 0.5 ms) at 800 rows/s keep the model busy 80% of the
     # time: a hold there would only spend deadlines.
-    assert policy.hold_s(0.005, 0.0005, 800) == 0.0
-    assert policy.hold_s(0.002, 0.0005, 400) == pytest.approx(0.002 / 0.0005 / 400)
+    assert policy.hold_s(0.005, 0.0005, 800, 64) == 0.0
+    assert policy.hold_s(0.002, 0.0005, 400, 64) == pytest.approx(0.002 / 0.0005 / 400)
 
 
 def test_under_load_a_short_hold_gathers_batches_that_amortise_their_fixed_cost() -> None:

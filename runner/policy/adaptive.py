@@ -418,31 +418,35 @@ class AdaptivePolicy:
         intercept = self._costs.fit.intercept_s
         self.target_rows = rows_rate * intercept
         self.window_s = max(0.0, intercept - 1.0 / request_rate) if request_rate > 0 else 0.0
-        hold = self.hold_s(intercept, self._costs.fit.slope_s, rows_rate)
+        hold = self.hold_s(intercept, self._costs.fit.slope_s, rows_rate, self.cap)
         if request_rate * hold >= self.tuning.hold_min_arrivals and hold > self.window_s:
             self.window_s = hold
             self.target_rows = max(self.target_rows, rows_rate * hold)
 
-    def hold_s(self, intercept_s: float, slope_s: float, rows_per_s: float) -> float:
+    def hold_s(self, intercept_s: float, slope_s: float, rows_per_s: float, cap: int) -> float:
         """How long, under load, a batch may wait to amortise its fixed cost.
 
         Each batch costs the machine more than its rows: its intercept (on a shared machine,
         a model thread that wakes to cold caches), and the wake-ups of the event loop and the
         API workers it answers, on cores they share. A hold gathers the rows at which the
-        intercept is half the batch (`intercept / slope`), for at most `hold_share` of the
-        latency limit, where that pays: while serving one request at a time would keep the
-        model busy at least `hold_load` of the time (below, the model is mostly idle and
-        nothing waits), and batches of that size would keep it busy less than that (above,
-        near capacity, the queue fills batches by itself and a hold only spends deadlines).
+        intercept is half the batch (`intercept / slope`, or the cap if it is less), for at
+        most `hold_share` of the latency limit, where that pays: while serving one request at
+        a time would keep the model busy at least `hold_load` of the time (below, the model
+        is mostly idle and nothing waits), and batches of that size would keep it busy less
+        than that (above, near capacity, the queue fills batches by itself and a hold only
+        spends deadlines).
         See docs/dispatcher.md, "Release".
         """
         tuning = self.tuning
-        if slope_s <= 0.0 or rows_per_s * (intercept_s + slope_s) < tuning.hold_load:
-            return 0.0
-        if 2.0 * rows_per_s * slope_s > tuning.hold_load:
+        if min(intercept_s, slope_s) <= 0.0:
+            return 0.0  # no fixed cost to amortise, or no cost a row to weigh it against
+        if rows_per_s * (intercept_s + slope_s) < tuning.hold_load:
             return 0.0
         longest_s = tuning.hold_share * self.limits.max_latency_s
-        return min(longest_s, intercept_s / slope_s / rows_per_s)
+        rows = min(intercept_s / slope_s, cap, rows_per_s * longest_s)
+        if rows_per_s * (intercept_s / rows + slope_s) > tuning.hold_load:
+            return 0.0
+        return rows / rows_per_s
 
     # --- decisions ------------------------------------------------------------------------
 
