@@ -791,3 +791,27 @@ def test_the_pieces_of_a_request_assured_on_an_idle_model_are_never_refused() ->
         policy.complete(step.batch, now, now + 0.024)
         now += 0.024
     assert ran == pieces
+
+
+def test_a_busy_spell_cannot_make_a_waiting_model_too_slow_for_every_request() -> None:
+    # A model that sleeps 5 ms + 0.5 ms a row (little CPU: it is fitted on wall time) under
+    # a 12 ms limit; then three batches in a row take 20 ms, as in a busy spell on shared
+    # cores. The curve restarts on them and would put one row past the limit: every request
+    # refused as too large (413), no batch run to correct it. The calibration bounds it.
+    policy = AdaptivePolicy(64, 0.012)
+    policy.calibrate([Timing(n, 0.005 + 0.0005 * n, 0.0001)
+                      for n in policy.calibration_sizes()])
+    now = 0.0
+    for ident in range(6):
+        assert policy.offer(request(ident, now, slo=0.012), now)
+        batch = policy.poll(now).batch
+        assert batch is not None
+        wall = 0.020 if ident >= 3 else 0.0055
+        policy.complete(batch, now, now + wall, 0.0001)
+        job = policy.refit_job(now + wall)
+        if job is not None:
+            policy.apply_fit(job())
+        now += wall + 0.05
+    assert policy.model.fit.cost(1) > 0.012  # the curve alone would refuse every row
+    assert policy.idle_time_s(1) == pytest.approx(0.0055)
+    assert policy.offer(request(99, now, slo=0.012), now)  # an idle model runs it

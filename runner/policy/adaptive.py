@@ -189,7 +189,7 @@ class AdaptivePolicy:
         self._use(fit)
 
     def idle_time_s(self, rows: int) -> float:
-        return self._costs.fit.cost(rows)
+        return self.model.idle_cost(rows)
 
     # --- predictions ----------------------------------------------------------------------
 
@@ -207,7 +207,7 @@ class AdaptivePolicy:
         busy, waiting = self._busy, self._waiting
         if busy.batch is None and not waiting.requests:
             waiting.probe = request.id
-            finish = now + self._costs.fit.cost(request.rows)
+            finish = now + self.model.idle_cost(request.rows)
             if finish <= request.deadline:
                 return True
             return self._refuse(request, finish, 0, now)

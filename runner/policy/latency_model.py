@@ -163,6 +163,8 @@ class LatencyModel:
         self.cpu_bound = True
         self.quantile_k = tuning.quantile_k
         self.fit = Fit()
+        self.first: Fit | None = None
+        """The calibration's own line, as measured before any traffic: see `idle_cost`."""
         self._cost_shifts = Shifts(tuning.shift_run)
         self._stretch_shifts = Shifts(tuning.shift_run)
 
@@ -203,8 +205,25 @@ class LatencyModel:
         shares = sorted(cpu / wall for _, wall, cpu in timings if wall > 0.0)
         self.cpu_bound = not shares or shares[len(shares) // 2] >= 0.5
         self.calibration = [(n, cpu if self.cpu_bound else wall) for n, wall, cpu in timings]
+        if self.calibration:
+            rows = np.asarray([n for n, _ in self.calibration], dtype=float)
+            millis = np.asarray([seconds for _, seconds in self.calibration]) * 1000.0
+            intercept, slope, _ = _line(rows, millis, np.ones_like(rows))
+            self.first = Fit(intercept_s=intercept / 1000.0, slope_s=slope / 1000.0)
         self.recent.clear()
         self.recent.extend((n, wall) for n, wall, _ in timings)
+
+    def idle_cost(self, rows: int) -> float:
+        """What a batch of `rows` takes on an idle machine: the fit's `cost`, but never more
+        than the calibration's line, measured before any traffic, says.
+
+        Judged on the fit alone, a few batches slowed by a busy spell (a model that waits is
+        fitted on wall time, and three slow batches in a row restart its curve) could put a
+        single row past the latency limit: every request would be refused as too large for
+        it (413), even by an idle model, and no batch would run to disprove the curve.
+        """
+        cost = self.fit.cost(rows)
+        return cost if self.first is None else min(cost, self.first.mean(rows))
 
     def snapshot(self) -> Snapshot:
         live = list(self.samples)
