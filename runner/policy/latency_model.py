@@ -31,6 +31,9 @@ Why two parts:
   is more: contention on shared cores has a heavier tail than a normal law, and a promise
   must cover the tail that is there. Until a hundred batches can show a 99th percentile, one
   hiccup among them may not raise it more than `Tuning.max_move`-fold over the last one read.
+- The fit also says how far its own line may be off (`Fit.error`): recency weights leave a
+  new batch size resting on a handful of batches, and a promise over several batches leans
+  on the same line in each.
 """
 
 from __future__ import annotations
