@@ -143,9 +143,11 @@ def test_processes_add_up_on_idle_cores_but_not_on_a_full_machine() -> None:
     assert (one.setting.processes, two.setting.processes) == (1, 2)  # ordered
     assert two.passing_rps > 1.6 * one.passing_rps
     # One core that the front already half fills: a second process has no core to run on.
+    # Passing rates are found to about 2% of the ceiling (24 req/s here), so the bound
+    # leaves a step or two beside the 12-15% more that the plan gives a second process here.
     tight = inputs(Machine(cores=1, front_s=0.0003))
     one, two = plan(tight, [Setting(1, 64), Setting(2, 64)], target=1000.0)
-    assert two.passing_rps < 1.15 * one.passing_rps
+    assert two.passing_rps < 1.2 * one.passing_rps
     assert max(one.passing_rps, two.passing_rps) < 1000.0  # 0.3 ms + the model's share
 
 
