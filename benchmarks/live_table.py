@@ -47,12 +47,13 @@ def window(before: Scrape, after: Scrape, cpu_s: float, sent: int) -> Window:
     """What the server recorded between two readings of ``/metrics``."""
     ratio = "batchserve_batch_time_ratio"
     ratios = bucket_delta(before.buckets(ratio, runner=MODEL), after.buckets(ratio, runner=MODEL))
-    size = "batchserve_adaptive_batch_size"
-    rows = after.total(f"{size}_sum", runner=MODEL) - before.total(f"{size}_sum", runner=MODEL)
-    batches = after.total(f"{size}_count", runner=MODEL) - before.total(
-        f"{size}_count", runner=MODEL)
-    model_s = "batchserve_batch_cpu_seconds_sum"
-    model_cpu_s = after.total(model_s, runner=MODEL) - before.total(model_s, runner=MODEL)
+
+    def grew(name: str) -> float:
+        return after.total(name, runner=MODEL) - before.total(name, runner=MODEL)
+
+    rows = grew("batchserve_adaptive_batch_size_sum")
+    batches = grew("batchserve_adaptive_batch_size_count")
+    model_cpu_s = grew("batchserve_batch_cpu_seconds_sum")
     codes = "batchserve_requests_total"
     rejected = "batchserve_rejections_total"
     return Window(

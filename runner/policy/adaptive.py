@@ -429,12 +429,12 @@ class AdaptivePolicy:
         Each batch costs the machine more than its rows: its intercept (on a shared machine,
         a model thread that wakes to cold caches), and the wake-ups of the event loop and the
         API workers it answers, on cores they share. A hold gathers the rows at which the
-        intercept is half the batch (`intercept / slope`, or the cap if it is less), for at
-        most `hold_share` of the latency limit, where that pays: while serving one request at
-        a time would keep the model busy at least `hold_load` of the time (below, the model
-        is mostly idle and nothing waits), and batches of that size would keep it busy less
-        than that (above, near capacity, the queue fills batches by itself and a hold only
-        spends deadlines).
+        intercept is half the batch (`intercept / slope`; fewer if the cap, or the rows that
+        arrive in the longest hold, are fewer), for at most `hold_share` of the latency
+        limit, where that pays: while serving one request at a time would keep the model
+        busy at least `hold_load` of the time (below, the model is mostly idle and nothing
+        waits), and batches of that size would keep it busy less than that (above, near
+        capacity, the queue fills batches by itself and a hold only spends deadlines).
         See docs/dispatcher.md, "Release".
         """
         tuning = self.tuning
@@ -634,13 +634,13 @@ class _Sums:
 
     __slots__ = ("squares", "powers", "batches", "rows")
 
-    def __init__(self, first_s: float = 0.0, first_rows: int = 0) -> None:
+    def __init__(self, first_s: float, first_rows: int) -> None:
         self.squares = first_s * first_s
         self.powers = first_s**TAIL_INDEX
         self.batches = 1.0 if first_s > 0.0 else 0.0
         self.rows = float(first_rows)
 
-    def add(self, mean_s: float, count: int = 1, rows: float = 0.0) -> None:
+    def add(self, mean_s: float, count: int, rows: float) -> None:
         """`count` batches of mean `mean_s`, `rows` rows each."""
         self.squares += count * mean_s * mean_s
         self.powers += count * mean_s**TAIL_INDEX
