@@ -127,6 +127,19 @@ def test_a_refusal_is_not_false_if_serving_it_makes_another_answer_late() -> Non
     assert false_rejections(trace, 64) == 1
 
 
+def test_refusals_count_false_together_not_each_alone() -> None:
+    # Back-to-back batches with 0.8 ms to spare each: one more row (0.5 ms) fits, and with
+    # it in, the 0.3 ms left takes no second. Judged alone, both would count.
+    trace = _Trace()
+    for index in (1, 2):
+        trace.refusals.append((Request(index, 1, 0.0, 0.1), 0.0))
+    _batch(trace, 0.01, 0.05, 10, 0.0008)
+    _batch(trace, 0.05, 0.09, 10, 0.0008)
+    assert false_rejections(trace, 64) == 1
+    trace.batch_starts[1] = 0.051  # a 1 ms idle gap: the second batch keeps its 0.8 ms
+    assert false_rejections(trace, 64) == 2
+
+
 def test_slack_counts_only_answers_that_were_on_time() -> None:
     trace = _Trace()
     late, on_time = Request(1, 1, 0.0, 0.04), Request(2, 1, 0.0, 0.06)

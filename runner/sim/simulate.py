@@ -244,49 +244,87 @@ def _refit(policy: Policy, now: float, trace: _Trace) -> None:
 
 
 def false_rejections(trace: _Trace, max_batch_size: int) -> int:
-    """Refusals that were not needed (docs/dispatcher.md, "false refusal").
+    """Refusals that were not needed (docs/dispatcher.md, "false refusal"): how many of the
+    refused requests could all have been served on time, together, without making any
+    admitted request late.
 
-    A refusal is false if the request could have been served on time without making any other
-    admitted request late: some batch that started after it arrived had room for its rows, and
-    with those rows added (at that batch's own per-row time) the batch still finished by the
-    request's deadline, while every request answered on time in that batch, and in the later
-    batches the extra time pushes back until an idle gap absorbs it, stayed on time.
-    The same measure applies to every policy.
+    In arrival order, a refused request counts if some batch that started after it arrived
+    had room for its rows and, with them added at that batch's own per-row time, still
+    finished by its deadline, while every answer on time in that batch, and in the later
+    batches the extra time pushes back until an idle gap absorbs it, stayed on time. Its rows
+    then join that batch, so the refusals after it meet the schedule with them in: judged
+    alone, in sustained overload every refusal counted once the batches left each other a
+    millisecond to spare, though only a few more requests fitted. The same measure applies
+    to every policy.
     """
-    starts = trace.batch_starts
-    info = trace.batch_info
-    absorb = _absorbable_delays(trace)
+    schedule = _Schedule(trace)
     count = 0
-    for request, _ in trace.refusals:
-        i = bisect.bisect_left(starts, request.arrival)
-        while i < len(starts) and starts[i] < request.deadline:
-            finish, rows, per_row = info[i]
-            extra = per_row * request.rows
-            if (
-                rows + request.rows <= max_batch_size
-                and finish + extra <= request.deadline
-                and extra <= absorb[i]
-            ):
+    for request in sorted((request for request, _ in trace.refusals), key=_arrival):
+        first = bisect.bisect_left(schedule.began, request.arrival)
+        for i in range(first, bisect.bisect_left(schedule.began, request.deadline)):
+            if schedule.fits(i, request, max_batch_size):
+                schedule.add(i, request, first)
                 count += 1
                 break
-            i += 1
     return count
 
 
-def _absorbable_delays(trace: _Trace) -> list[float]:
-    """For each batch, the most its finish may slip without making an on-time answer late.
+def _arrival(request: Request) -> float:
+    return request.arrival
+
+
+class _Schedule:
+    """The batches as they ran, with the rows of the refusals counted false added.
 
     A slip of `d` at batch i pushes batch i+1 back by `max(0, d - gap)`, where `gap` is the
-    idle time between them, so backwards: `absorb[i] = min(slack[i], gap + absorb[i+1])`.
+    idle time between them, so backwards: `absorb[i] = min(slack[i], gap + absorb[i+1])`,
+    the most batch i's finish may slip without making an on-time answer late.
     """
-    starts, info, slack = trace.batch_starts, trace.batch_info, trace.batch_slack
-    absorb = [0.0] * len(starts)
-    following = math.inf
-    for i in range(len(starts) - 1, -1, -1):
-        absorb[i] = min(slack[i], following)
-        if i > 0:
-            following = starts[i] - info[i - 1][0] + absorb[i]
-    return absorb
+
+    def __init__(self, trace: _Trace) -> None:
+        self.began = trace.batch_starts  # as they ran: which batches a request could join
+        self.starts = list(trace.batch_starts)
+        self.ends = [finish for finish, _, _ in trace.batch_info]
+        self.rows = [rows for _, rows, _ in trace.batch_info]
+        self.per_row = [per_row for _, _, per_row in trace.batch_info]
+        self.slack = list(trace.batch_slack)
+        self.absorb = [0.0] * len(self.starts)
+        if self.starts:
+            self._absorb_back(len(self.starts) - 1, 0)
+
+    def fits(self, i: int, request: Request, max_batch_size: int) -> bool:
+        extra = self.per_row[i] * request.rows
+        return (self.rows[i] + request.rows <= max_batch_size
+                and self.ends[i] + extra <= request.deadline
+                and extra <= self.absorb[i])
+
+    def add(self, i: int, request: Request, first: int) -> None:
+        """Put `request` in batch i and push the batches after it back; `absorb` stays
+        right from `first` on (no later refusal looks before it)."""
+        self.rows[i] += request.rows
+        self.ends[i] += self.per_row[i] * request.rows
+        self.slack[i] = min(self.slack[i] - self.per_row[i] * request.rows,
+                            request.deadline - self.ends[i])
+        last = i
+        while last + 1 < len(self.starts):
+            push = self.ends[last] - self.starts[last + 1]
+            if push <= 0.0:
+                break
+            last += 1
+            self.starts[last] += push
+            self.ends[last] += push
+            self.slack[last] -= push
+        self._absorb_back(last, first)
+
+    def _absorb_back(self, last: int, first: int) -> None:
+        """`absorb` from batch `last` down to batch `first`, from `absorb[last + 1]`."""
+        starts, ends, absorb = self.starts, self.ends, self.absorb
+        following = (starts[last + 1] - ends[last] + absorb[last + 1]
+                     if last + 1 < len(starts) else math.inf)
+        for i in range(last, first - 1, -1):
+            absorb[i] = min(self.slack[i], following)
+            if i > 0:
+                following = starts[i] - ends[i - 1] + absorb[i]
 
 
 def _percentile(values: list[float], q: float) -> float:
