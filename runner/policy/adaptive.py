@@ -662,7 +662,10 @@ def best_cap(
     `(intercept + slope * n) + (intercept + slope * rate * (intercept + slope * n)) <= L`. In
     overload, bigger batches serve more per second but only requests arriving in the last
     `L - (intercept + slope * n)` seconds of a batch make the next one, which fills it when
-    `n = rate * (L - intercept - slope * n)`. The larger of the two, in [1, limit].
+    `n = rate * (L - intercept - slope * n)`. The larger of the two, in [1, limit]. The first
+    is a bound, so it rounds down; the second is the rows the traffic brings, so it rounds
+    up: a cap below it turns away the last arrival that would make the next batch in time
+    (on `tight_12ms`, where it is 1.6 rows, rounding down served 3% fewer requests in time).
     Derivation in docs/dispatcher.md.
     """
     rate, latency = rows_per_s, max_latency_s
@@ -673,5 +676,7 @@ def best_cap(
     else:
         keep_up = float(limit)
     overload = rate * (latency - intercept_s) / (1.0 + rate * slope_s)
-    best = max(keep_up, overload, 1.0)
-    return limit if best >= limit else int(best)
+    if max(keep_up, overload) >= limit:
+        return limit
+    # To a millionth of a row first: float noise must not make 45 rows 46.
+    return max(math.floor(keep_up), math.ceil(round(overload, 6)), 1)
