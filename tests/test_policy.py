@@ -277,8 +277,9 @@ def test_best_cap_closed_forms() -> None:
     assert best_cap(0.005, 0.0005, 1360.0, SLO, 64) == 64
     assert best_cap(0.01, 0.001, 300.0, SLO, 64) == 59  # keep up: (0.08-0.003)/0.0013
     assert best_cap(0.01, 0.001, 1000.0, SLO, 64) == 45  # overload: 1000*0.09/2
-    assert best_cap(0.01, 0.001, 1010.0, SLO, 64) == 46  # 45.2 rows arrive: the cap takes them
-    assert best_cap(0.005, 0.0005, 300.0, 0.012, 64) == 2  # tight_12ms on its mean line: 1.83 rows
+    assert best_cap(0.01, 0.001, 1010.0, SLO, 64) == 45  # 45.2 rows arrive: nearest
+    assert best_cap(0.01, 0.001, 1030.0, SLO, 64) == 46  # 45.6 rows
+    assert best_cap(0.005, 0.0005, 300.0, 0.012, 64) == 2  # tight_12ms, mean line: 1.83 rows
     assert best_cap(0.01, 0.001, 1e9, SLO, 64) == 64
     assert best_cap(0.2, 0.001, 10.0, SLO, 64) == 1
     assert best_cap(0.005, 0.0, 0.0, SLO, 64) == 64

@@ -663,9 +663,11 @@ def best_cap(
     overload, bigger batches serve more per second but only requests arriving in the last
     `L - (intercept + slope * n)` seconds of a batch make the next one, which fills it when
     `n = rate * (L - intercept - slope * n)`. The larger of the two, in [1, limit]. The first
-    is a bound, so it rounds down; the second is the rows the traffic brings, so it rounds
-    up: a cap below it turns away the last arrival that would make the next batch in time
-    (on `tight_12ms`, where it is 1.6 rows, rounding down served 3% fewer requests in time).
+    is a bound, so it rounds down; the second is the rows the traffic brings on average, so it
+    rounds to the nearest: below, a cap turns away the arrival that would make the next batch
+    in time (`tight_12ms`, where it is 1.6 rows, served 2-3% fewer requests in time rounding
+    down), and above, in overload on contended cores, batches grow longer than the tail
+    leaves room for (`overload_contended` refused requests at their deadline rounding up).
     Derivation in docs/dispatcher.md.
     """
     rate, latency = rows_per_s, max_latency_s
@@ -678,5 +680,4 @@ def best_cap(
     overload = rate * (latency - intercept_s) / (1.0 + rate * slope_s)
     if max(keep_up, overload) >= limit:
         return limit
-    # To a millionth of a row first: float noise must not make 45 rows 46.
-    return max(math.floor(keep_up), math.ceil(round(overload, 6)), 1)
+    return max(math.floor(keep_up), math.floor(overload + 0.5), 1)
