@@ -1,9 +1,9 @@
 """Measure the request path: start the real server, drive it open-loop, count its CPU.
 
-For each rate this prints p50/p99 latency (from each request's scheduled
-send time, see ``api/bench/loadgen.py``), the error share, and the CPU time per request of the
-server (every process under the supervisor) and of the load generator itself, which runs on
-the same 2 cores and so takes its share from the server.
+For each rate this prints p50/p99 latency (from each request's scheduled send time, see
+``api/bench/loadgen.py``), the error share, and the CPU time per request of the server (every
+process under the supervisor) and of the load generator itself, which runs on the same 2
+cores and so takes its share from the server.
 
 Server CPU is utime+stime from ``/proc/<pid>/stat`` summed over the supervisor's process
 tree, sampled before and after each rate. Only processes alive at both samples count (keyed
