@@ -301,10 +301,10 @@ class _Schedule:
     def add(self, i: int, request: Request, first: int) -> None:
         """Put `request` in batch i and push the batches after it back; `absorb` stays
         right from `first` on (no later refusal looks before it)."""
+        extra = self.per_row[i] * request.rows
         self.rows[i] += request.rows
-        self.ends[i] += self.per_row[i] * request.rows
-        self.slack[i] = min(self.slack[i] - self.per_row[i] * request.rows,
-                            request.deadline - self.ends[i])
+        self.ends[i] += extra
+        self.slack[i] = min(self.slack[i] - extra, request.deadline - self.ends[i])
         last = i
         while last + 1 < len(self.starts):
             push = self.ends[last] - self.starts[last + 1]
