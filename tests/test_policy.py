@@ -720,6 +720,24 @@ def test_when_the_model_frees_the_oldest_its_batch_would_make_late_is_refused() 
     assert why is not None and why.retry_after_s >= 1.0
 
 
+def test_a_batch_that_takes_every_row_keeps_its_oldest_for_the_tail_alone() -> None:
+    """20 ms a batch on the mean, 40 ms at the high quantile, nearly all of it a heavy tail
+    (the spread is 1%). The running batch overruns to 75 ms; the one request queued, due at
+    101 ms, would end at 95 ms on the mean and 115 ms should its batch be one of the few the
+    tail slows. No one would take its place: it runs, rather than lose a likely answer."""
+    policy = AdaptivePolicy(64, SLO, refuse="oldest")
+    policy.apply_fit(Fit(intercept_s=0.02, slope_s=0.0, spread=0.01, factor=2.0, samples=1))
+    policy.offer(request(0, 0.0), 0.0)
+    running = policy.poll(0.0).batch
+    assert running is not None
+    likely = request(1, 0.001)
+    assert policy.offer(likely, 0.001)
+    policy.complete(running, 0.0, 0.075)
+    step = policy.poll(0.075)
+    assert step.refused == () and step.expired == ()
+    assert step.batch is not None and step.batch.requests == (likely,)
+
+
 def test_while_a_batch_runs_the_oldest_is_refused_once_the_next_batch_cannot_save_it() -> None:
     """The refusal does not wait for the model: once the running batch overruns, the batch
     after it would end past the request's deadline (0.13) from 0.085 on."""
