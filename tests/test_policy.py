@@ -720,7 +720,7 @@ def test_when_the_model_frees_the_oldest_its_batch_would_make_late_is_refused() 
     assert why is not None and why.retry_after_s >= 1.0
 
 
-def test_a_batch_that_takes_every_row_keeps_its_oldest_for_the_tail_alone() -> None:
+def test_a_batch_that_takes_every_row_does_not_refuse_its_oldest_for_the_tail() -> None:
     """20 ms a batch on the mean, 40 ms at the high quantile, nearly all of it a heavy tail
     (the spread is 1%). The running batch overruns to 75 ms; the one request queued, due at
     101 ms, would end at 95 ms on the mean and 115 ms should its batch be one of the few the
