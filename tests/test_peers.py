@@ -16,12 +16,12 @@ import orjson
 import pytest
 
 from batchserve.api.bench.cpu import server_cpu
-from batchserve.api.bench.load_result import summarize
+from batchserve.api.bench.load_result import LoadResult, summarize
 from benchmarks.peers import report
 from benchmarks.peers.launch import WrongAnswer, check, started
 from benchmarks.peers.model_limit import reference
 from benchmarks.peers.servers import PEERS
-from benchmarks.peers.sweep import Run
+from benchmarks.peers.sweep import Run, client_limit
 from benchmarks.request_path import OTHER, step_of
 from tests.conftest import wait_for
 
@@ -55,6 +55,19 @@ def test_the_summary_reads_goodput_at_one_and_a_half_and_twice_the_best_rate() -
     assert list(summary.goodput) == [150, 200]
     assert summary.cpu_ms_per_req[100.0] == pytest.approx(0.5)
     assert "| a | 100 | 400 |" in report.table([summary], model_limit=1000.0)
+
+
+def test_a_run_says_when_its_clients_connections_held_requests_back() -> None:
+    def load(peaks: tuple[int, int]) -> LoadResult:
+        return summarize(100, 1.0, [0.01] * 10, [200] * 10, [0.0] * 10, 1.0, peaks, 0.0)
+
+    # Ours queues a few requests while its pool grows: no limit. Past one a connection, it is.
+    assert client_limit(load((256, 8)), shared=False) == ""
+    said = client_limit(load((256, 26785)), shared=False)
+    assert "client-limited" in said and "256 connections" in said and "26785" in said
+    # A shared client counts requests it never sent: any at all is its limit.
+    assert client_limit(load((1024, 0)), shared=True) == ""
+    assert "backlog 3" in client_limit(load((1024, 3)), shared=True)
 
 
 def test_an_answer_is_checked_against_the_models_own_output() -> None:

@@ -143,8 +143,21 @@ def one_server(
                   f" ms, send lag p99 {load.timer_lag_p99_ms or 0:.1f} ms, cpu "
                   f"{runs[-1].cpu_ms_per_req:.2f} ms/req, waited for a core "
                   f"{wait_s / max(cpu.seconds, 1e-9):.1f}x as long"
+                  f"{client_limit(load, settings.shared)}"
                   f"{'' if runs[-1].passed else '  (fails)'}", flush=True)
     return runs
+
+
+def client_limit(load: LoadResult, shared: bool) -> str:
+    """Say so when the client, not the server, held requests back: with all its connections
+    busy, requests wait client-side (ours) or are not sent (the shared clients), unseen by
+    the server, which cannot refuse what it never received; their wait counts in latency.
+    Ours also queues a few requests while its pool grows at a rate's start, which is no
+    limit: it counts only past one request waiting per connection."""
+    backlog, connections = load.peak_queued, load.peak_connections
+    if backlog <= (0 if shared else connections):
+        return ""
+    return f", client-limited (all {connections} connections busy, client-side backlog {backlog})"
 
 
 def rounds(
