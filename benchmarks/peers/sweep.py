@@ -149,15 +149,16 @@ def one_server(
 
 
 def client_limit(load: LoadResult, shared: bool) -> str:
-    """Say so when the client, not the server, held requests back: with all its connections
-    busy, requests wait client-side (ours) or are not sent (the shared clients), unseen by
-    the server, which cannot refuse what it never received; their wait counts in latency.
-    Ours also queues a few requests while its pool grows at a rate's start, which is no
-    limit: it counts only past one request waiting per connection."""
+    """Say so when the client held requests back: with all its connections busy, requests
+    wait in it (ours) or are not sent (the shared clients), unseen by the server, which can
+    neither serve nor refuse them; their wait counts in latency. Ours also queues a few
+    requests while its pool grows at a rate's start, which is no limit: it counts only past
+    one request waiting per connection."""
     backlog, connections = load.peak_queued, load.peak_connections
     if backlog <= (0 if shared else connections):
         return ""
-    return f", client-limited (all {connections} connections busy, client-side backlog {backlog})"
+    held = f"{backlog} requests not sent" if shared else f"up to {backlog} requests waiting"
+    return f", all {connections} connections busy ({held} in the client)"
 
 
 def rounds(
