@@ -795,6 +795,24 @@ def test_the_batch_after_next_refuses_its_oldest_as_soon_as_the_queue_shows_it()
     assert policy.stats(0.002).queued == 2
 
 
+def test_where_batch_times_vary_widely_the_batches_ahead_count_at_more_than_their_mean() -> None:
+    """Batches of two at most, 30 ms on the mean with a spread of 30%. The third request
+    queued, due at 0.125, starts after the running batch (mean end 0.03) and the next. Were
+    the next counted a tenth over its mean, it would end at 0.12, in time at the high
+    quantile, and be refused only once its batch became the next, after the batches ahead ran
+    long; at one and a half spreads over it ends at 0.1305, and is refused on arrival."""
+    policy = AdaptivePolicy(2, SLO, refuse="oldest")
+    policy.apply_fit(Fit(intercept_s=0.03, slope_s=0.0, spread=0.3, factor=1.9, samples=1))
+    policy.offer(request(0, 0.0), 0.0)
+    assert policy.poll(0.0).batch is not None
+    for queued in (request(1, 0.001), request(2, 0.001)):
+        assert policy.offer(queued, queued.arrival)
+        assert policy.poll(queued.arrival).refused == ()
+    third = request(3, 0.025)
+    assert policy.offer(third, 0.025)
+    assert policy.poll(0.025).refused == (third,)
+
+
 def test_the_pieces_of_a_request_assured_on_an_idle_model_are_never_refused() -> None:
     """Four pieces of 2 rows, 24 ms a batch on the mean: the whole fits the 100 ms limit,
     and the dispatcher assured it. Judged as other requests are, the fourth piece would end

@@ -486,11 +486,13 @@ class AdaptivePolicy:
         rows, finish = self._shed_from(0, start, limit, refused, now)
         shed_at = queue[0].deadline - (finish - start) - self._gaps.mean if queue else None
         index, later = 0, start
+        fit, tuning = self._costs.fit, self.tuning
+        chain = max(tuning.shed_chain, 1.0 + tuning.shed_chain_spreads * fit.spread)
         while rows and waiting.only(queue[0].group):
             index = self._batch_ends(index, rows, limit)
             if index >= len(queue):
                 break
-            later += self._costs.fit.mean(rows) * self.tuning.shed_chain + self._gaps.mean
+            later += fit.mean(rows) * chain + self._gaps.mean
             rows, _ = self._shed_from(index, later, limit, refused, now)
         if refused:
             ahead = waiting.rows + (busy.batch.rows if busy.batch is not None else 0)

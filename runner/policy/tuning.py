@@ -31,6 +31,13 @@ class Tuning:
     next batch's, would otherwise be refused then, when the running batch overruns, after
     waiting most of the limit (`overload_150`: refusal wait p99 58 ms at 1, 18 ms at 1.1);
     more refuses requests a burst's end would have served (`bursts` goodput 0.991 at 1.15)."""
+    shed_chain_spreads: float = 1.5
+    """... or at this many spreads over their mean, if that is more: where batch times vary
+    widely, the batches ahead run longer than a tenth over their mean often enough that
+    requests promised on it are refused when their batch becomes the next, after waiting
+    half the limit (`replay_mlp`, spread 0.6: refusal wait p99 14.1 ms at 1.1 times the
+    mean, 0 to 4.1 ms at 1.5 spreads on six seeds; at 1 spread still past BentoML's 9 ms on
+    five of them). At the 5% spread of most scenarios it is 7.5%: the multiple above holds."""
     sample_window: int = 128
     """Measured batches the regression keeps."""
     stretch_window: int = 1024
