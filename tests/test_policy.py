@@ -795,7 +795,7 @@ def test_the_batch_after_next_refuses_its_oldest_as_soon_as_the_queue_shows_it()
     assert policy.stats(0.002).queued == 2
 
 
-def test_where_batch_times_vary_widely_the_batches_ahead_count_at_more_than_their_mean() -> None:
+def test_where_batch_times_vary_widely_the_batches_ahead_count_with_their_spread() -> None:
     """Batches of two at most, 30 ms on the mean with a spread of 30%. The third request
     queued, due at 0.125, starts after the running batch (mean end 0.03) and the next. Were
     the next counted a tenth over its mean, it would end at 0.12, in time at the high

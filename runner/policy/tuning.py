@@ -34,8 +34,8 @@ class Tuning:
     shed_chain_spreads: float = 1.5
     """... or at this many spreads over their mean, if that is more: where batch times vary
     widely, the batches ahead run longer than a tenth over their mean often enough that
-    requests promised on it are refused when their batch becomes the next, after waiting
-    half the limit (`replay_mlp`, spread 0.6: refusal wait p99 14.1 ms at 1.1 times the
+    requests kept on that count are refused when their batch becomes the next, after
+    waiting half the limit (`replay_mlp`, spread 0.6: refusal wait p99 14.1 ms at 1.1 times the
     mean, 0 to 4.1 ms at 1.5 spreads on six seeds; at 1 spread still past BentoML's 9 ms on
     five of them). At the 5% spread of most scenarios it is 7.5%: the multiple above holds."""
     sample_window: int = 128
