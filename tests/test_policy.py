@@ -798,9 +798,9 @@ def test_the_batch_after_next_refuses_its_oldest_as_soon_as_the_queue_shows_it()
 def test_where_batch_times_vary_widely_the_batches_ahead_count_with_their_spread() -> None:
     """Batches of two at most, 30 ms on the mean with a spread of 30%. The third request
     queued, due at 0.125, starts after the running batch (mean end 0.03) and the next. Were
-    the next counted a tenth over its mean, it would end at 0.12, in time at the high
-    quantile, and be refused only once its batch became the next, after the batches ahead ran
-    long; at one and a half spreads over it ends at 0.1305, and is refused on arrival."""
+    the next counted a tenth over its mean, the third would end at 0.12, in time at the high
+    quantile, and be refused only once its batch became the next, after the batches ahead
+    ran long; at one and a half spreads over it, it ends at 0.1305 and is refused on arrival."""
     policy = AdaptivePolicy(2, SLO, refuse="oldest")
     policy.apply_fit(Fit(intercept_s=0.03, slope_s=0.0, spread=0.3, factor=1.9, samples=1))
     policy.offer(request(0, 0.0), 0.0)
