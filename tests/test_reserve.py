@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from batchserve.api.reserve import EVERY, MOST, WINDOW, Reserve
@@ -26,14 +28,28 @@ def test_the_reserve_is_the_99_8th_percentile_of_recent_overruns_at_most_a_quart
     assert reserve.seconds(0.050) == pytest.approx(0.001)
 
 
+LIMIT_S = 1e6
+"""A limit whose quarter stays far above every overrun below, out of the way."""
+
+
 def test_the_estimate_moves_every_few_answers_and_forgets_old_ones() -> None:
+    # "Every few": at 256 the estimate is a fraction of a second old under load; waiting for
+    # many more answers would leave the reserve behind a change in overruns.
+    assert EVERY <= 256
     reserve = Reserve()
-    for _ in range(WINDOW):
-        reserve.observe(0.005)
-    assert reserve.seconds(1.0) == pytest.approx(0.005)
-    for _ in range(EVERY - 1):
+    answers = EVERY * (WINDOW // EVERY + 2)  # past a full window, ending on a re-estimate
+    estimates = [reserve.seconds(LIMIT_S)]
+    for n in range(1, answers + 1):
+        reserve.observe(n * 1e-6)  # each later than the last: each re-estimate is higher
+        estimates.append(reserve.seconds(LIMIT_S))
+    moved = [n for n in range(1, answers + 1) if estimates[n] != estimates[n - 1]]
+    assert moved == list(range(EVERY, answers + 1, EVERY))
+    assert estimates[EVERY - 1] == 0.0 and estimates[EVERY] > 0.0
+
+    for _ in range(WINDOW - EVERY):
+        reserve.observe(0.0)  # answers on time
+    assert reserve.seconds(LIMIT_S) > 0.0  # the late answers still in the window count
+    on_time = EVERY * math.ceil(WINDOW / EVERY)  # a window of them, ending on a re-estimate
+    for _ in range(on_time - (WINDOW - EVERY)):
         reserve.observe(0.0)
-    assert reserve.seconds(1.0) == pytest.approx(0.005)  # not yet re-estimated
-    for _ in range(WINDOW):
-        reserve.observe(0.0)
-    assert reserve.seconds(1.0) == 0.0
+    assert reserve.seconds(LIMIT_S) == 0.0  # the late answers are forgotten
