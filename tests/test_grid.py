@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from batchserve.runner.sim.simulate import Result, arrivals
+from batchserve.runner.sim.simulate import Result, arrivals, simulate
 from benchmarks.grid import (
     BATCHES,
     CAPS,
@@ -19,6 +19,7 @@ from benchmarks.grid import (
     MIN_SECONDS,
     RATIOS,
     REQUESTS,
+    SEED,
     SHIFT_S,
     Cell,
     CellRun,
@@ -79,21 +80,42 @@ def test_a_shifting_cell_steps_between_half_and_one_and_a_half_capacity() -> Non
     assert 2.7 < (len(times) - low) / low < 3.3  # the high phase brings three times as many
 
 
+def steady(result: Result) -> Result:
+    """A result without what the host's clock measured (how long the run and its refits took)."""
+    return replace(result, wall_s=0.0, refit_ms_mean=0.0, refit_ms_max=0.0)
+
+
 def test_grid_cells_are_deterministic() -> None:
-    assert cells() == cells()
+    """A cell's runs follow from the cell and the grid's seed alone: run again, they give the
+    same numbers, and these are the runs at `SEED`, which another seed would change."""
+    names = [c.name for c in cells()]
+    assert names[:3] == ["r0.5/cap8/10ms/80%", "r0.5/cap8/10ms/150%", "r0.5/cap8/10ms/200%"]
+    assert names[-1] == "r50/cap256/500ms/shift"  # ratio, cap, limit, then load
     chosen = cell("r2/cap8/500ms/shift")
+    assert chosen.scenario().seed == SEED
     first, second = run_cell(chosen), run_cell(chosen)
     for run in (first, second):
         assert run.bentoml.requests == run.at_arrival.requests == run.oldest.requests > 0
         assert (run.at_arrival.policy, run.oldest.policy) == ("adaptive", "adaptive (oldest)")
         assert run.frontier == ()
 
-    def steady(result: Result) -> Result:
-        return replace(result, wall_s=0.0, refit_ms_mean=0.0, refit_ms_max=0.0)
+    def trio(run: CellRun) -> list[Result]:
+        return [steady(r) for r in (run.bentoml, run.at_arrival, run.oldest)]
 
-    for a, b in ((first.bentoml, second.bentoml), (first.at_arrival, second.at_arrival),
-                 (first.oldest, second.oldest)):
-        assert steady(a) == steady(b)
+    assert trio(first) == trio(second)
+
+    def at_seed(seed: int) -> list[Result]:
+        scenario = chosen.scenario(seed)
+        return [steady(r) for r in (simulate(scenario, "bentoml", seed=seed),
+                                    simulate(scenario, "adaptive", seed=seed),
+                                    simulate(scenario, "adaptive", seed=seed, refuse="oldest"))]
+
+    assert trio(first) == at_seed(SEED)
+    other = at_seed(SEED + 1)
+    for ours, theirs in zip(trio(first), other, strict=True):
+        assert ours.requests != theirs.requests, f"{ours.policy}: seed {SEED + 1} drew the same"
+        assert ours != theirs
+
     saved = json.loads(json.dumps(first.to_json()))
     assert saved["cell"] == "r2/cap8/500ms/shift"
     assert [v["target"] for v in saved["verdicts"]["oldest"]] == \
