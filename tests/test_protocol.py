@@ -228,16 +228,26 @@ def test_batch_dimension_other_than_zero() -> None:
 
 
 def test_json_request_with_flat_data() -> None:
-    request = decode_infer(json_body([x_input()]), None, MLP)
-    assert request == InferRequest(
+    # Two rows sent flat, each value distinct (and exact in FP32): the decoder must lay them
+    # out row by row, in order, as float32.
+    flat = [(i - 256) / 8 for i in range(512)]
+    request = decode_infer(json_body([x_input(shape=[2, 256], data=flat)]), None, MLP)
+    assert dataclasses.replace(request, inputs={}) == InferRequest(
         id=None,
-        inputs=request.inputs,
+        inputs={},
         outputs=(RequestedOutput("y", False),),
         timeout_s=None,
-        rows=1,
+        rows=2,
     )
-    assert request.inputs["x"].shape == (1, 256)
-    assert request.inputs["x"].dtype == np.float32
+    assert list(request.inputs) == ["x"]
+    x = request.inputs["x"]
+    assert x.dtype == np.float32
+    assert x.shape == (2, 256)
+    assert x[0, 0] == -32.0 and x[0, 1] == -31.875 and x[0, 255] == -0.125
+    assert x[1, 0] == 0.0 and x[1, 1] == 0.125 and x[1, 255] == 31.875
+    expected = np.array([[-32 + c / 8 for c in range(256)], [c / 8 for c in range(256)]],
+                        dtype=np.float32)
+    np.testing.assert_array_equal(x, expected, strict=True)
 
 
 def test_json_request_with_nested_data_and_integers_for_floats() -> None:
