@@ -126,7 +126,7 @@ def test_bytes_are_laid_out_as_lengths_and_data_and_keep_later_tensors_aligned()
 def bytes_call(data: bytes, count: int = 2) -> bytearray:
     """A Call frame body with one BYTES tensor of `count` elements whose data are `data`."""
     code = list(DATATYPES).index("BYTES")
-    head = struct.pack("<BQdddIHB", 1, 1, 1.0, 0.0, 0.0, count, 1, 0)
+    head = struct.pack("<BQddddIHB", 1, 1, 1.0, 0.0, 0.0, 0.0, count, 1, 0)
     head += b"\x01w" + bytes([code, 1])
     head += struct.pack("<q", count)
     head += b"\0" * (-len(head) % 8)
@@ -167,7 +167,8 @@ def test_bytes_tensors_hold_only_bytes() -> None:
     [
         (struct.pack("<BQ", 99, 1), "unknown frame kind 99"),
         (b"\x01", "malformed frame"),
-        (struct.pack("<BQdddIHB", 1, 1, 1.0, 0.0, 0.0, 1, 1, 0) + b"\x01x\x63\x01" + b"\0" * 16,
+        (struct.pack("<BQddddIHB", 1, 1, 1.0, 0.0, 0.0, 0.0, 1, 1, 0) + b"\x01x\x63\x01"
+             + b"\0" * 16,
          "unknown dtype"),
     ],
 )
@@ -200,6 +201,7 @@ def test_a_call_carries_its_group_and_tensors_stay_aligned_after_it() -> None:
 
 
 def test_a_group_value_overrunning_its_frame_is_refused() -> None:
-    body = struct.pack("<BQdddIHB", 1, 1, 1.0, 0.0, 0.0, 1, 0, 1) + struct.pack("<H", 50) + b"en"
+    body = struct.pack("<BQddddIHB", 1, 1, 1.0, 0.0, 0.0, 0.0, 1, 0, 1) + struct.pack("<H", 50)
+    body += b"en"
     with pytest.raises(WireError, match="group value overruns its frame"):
         decode(bytearray(body))

@@ -7,13 +7,15 @@ names a unix socket or a TCP endpoint (optionally under TLS) on another host.
 
     frame   := u32 body_length | body
     body    := u8 kind | u64 id | payload
-    Call    := f64 budget_s | f64 spent_s | f64 front_s | u32 rows | u16 count | u8 groups
+    Call    := f64 budget_s | f64 spent_s | f64 front_s | f64 sent_s | u32 rows | u16 count
+               | u8 groups
                | (u16 length | utf-8)[groups]
                | tensor*                                         (API -> runner)
     Result  := u16 count | tensor*                                  (runner -> API)
     Failure := u8 code | f64 retry_after_s | f64 predicted_s | f64 deadline_s
                | u32 rows_ahead | utf-8 text                       (runner -> API)
     Started := u32 count | u64 call_ids[count]                      (runner -> API; id 0)
+    Backlog := f64 wait_s | u32 rows_ahead                          (runner -> API; id 0)
     Ping, Pong := (empty)
     Hello   := u16 version | u32 max_batch_size | u8 name_len | name | nonce[32]
                | u8 proof_len | proof                  (both ways, first; id 0)
@@ -50,19 +52,21 @@ from .types import BYTES, DATATYPES, Tensors
 
 _LENGTH = struct.Struct("<I")
 _HEAD = struct.Struct("<BQ")
-_CALL = struct.Struct("<dddIHB")
+_CALL = struct.Struct("<ddddIHB")
 _GROUP_VALUE = struct.Struct("<H")
 _COUNT = struct.Struct("<H")
 _FAILURE = struct.Struct("<BdddI")
 _STARTED = struct.Struct("<I")
+_BACKLOG = struct.Struct("<dI")
 _SIZE = struct.Struct("<Q")
 _ELEMENT = struct.Struct("<I")
 _HELLO = struct.Struct("<HI")
 _VERSION = struct.Struct("<H")
 NONCE_BYTES = 32
 # 2: the Call frame carries its row count; 3: and its group; 4: and its spent time;
-# 5: a Failure carries the prediction a refusal was made on
-PROTOCOL_VERSION = 6
+# 5: a Failure carries the prediction a refusal was made on; 6: a Call carries its API
+# worker's cost; 7: a Call carries when it was sent, and a runner publishes its Backlog
+PROTOCOL_VERSION = 7
 _DTYPES = list(DATATYPES.values())
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 MAX_FRAME = 1 << 31
@@ -81,6 +85,7 @@ class Kind(enum.IntEnum):
     STARTED = 6
     HELLO = 7
     WELCOME = 8
+    BACKLOG = 9
 
 
 class FailureCode(enum.IntEnum):
@@ -119,6 +124,10 @@ class Call:
     front_s: float = 0.0
     """What its API worker spends on a request lately, in CPU seconds (decoding, dispatch,
     the answer): what the runner's capacity must count beside its own."""
+    sent_s: float = 0.0
+    """When the call was sent, on the sender's monotonic clock (0: unknown). A runner on
+    the same machine shares that clock, so a call it reads late (it reads while its model is
+    free, see `batchserve.runner.server`) keeps the deadline it was sent with."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +163,19 @@ class Started:
 
 
 @dataclass(frozen=True, slots=True)
+class Backlog:
+    """What a runner publishes with its answers, so an API worker can refuse in place what the
+    runner would refuse: `wait_s`, how long a one-row request arriving now is predicted to
+    take (at the high quantile the runner admits on), or 0 when the runner refuses nothing
+    on arrival, and the rows it would find ahead. It ages by the time since it was heard:
+    the backlog drains."""
+
+    wait_s: float
+    rows_ahead: int = 0
+    id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     id: int
 
@@ -184,7 +206,7 @@ class Welcome:
     id: int = 0
 
 
-Message = Call | Result | Failure | Started | Ping | Pong | Hello | Welcome
+Message = Call | Result | Failure | Started | Backlog | Ping | Pong | Hello | Welcome
 Chunks = list[bytes | memoryview]
 
 
@@ -255,8 +277,8 @@ def encode(message: Message) -> Chunks:
     out: Chunks = [b""]  # replaced by the length prefix and head
     if isinstance(message, Call):
         head = _HEAD.pack(Kind.CALL, message.id) + _CALL.pack(
-            message.budget_s, message.spent_s, message.front_s, message.rows, len(message.tensors),
-            len(message.group)
+            message.budget_s, message.spent_s, message.front_s, message.sent_s, message.rows,
+            len(message.tensors), len(message.group)
         ) + _group_bytes(message.group)
         size = _tensors_chunks(message.tensors, len(head), out)
     elif isinstance(message, Result):
@@ -281,6 +303,9 @@ def _plain_head(message: Message) -> bytes:
         calls = message.calls
         return _HEAD.pack(Kind.STARTED, message.id) + struct.pack(
             f"<I{len(calls)}Q", len(calls), *calls)
+    if isinstance(message, Backlog):
+        return _HEAD.pack(Kind.BACKLOG, message.id) + _BACKLOG.pack(message.wait_s,
+                                                                  message.rows_ahead)
     if isinstance(message, Hello):
         return _HEAD.pack(Kind.HELLO, message.id) + _hello_bytes(message)
     if isinstance(message, Welcome):
@@ -424,10 +449,10 @@ def decode(body: bytearray) -> Message:
         kind, ident = _HEAD.unpack_from(body, 0)
         offset = _HEAD.size
         if kind == Kind.CALL:
-            budget, spent, front, rows, count, groups = _CALL.unpack_from(body, offset)
+            budget, spent, front, sent, rows, count, groups = _CALL.unpack_from(body, offset)
             group, offset = _read_group(body, offset + _CALL.size, groups)
             return Call(ident, budget, rows, _read_tensors(body, offset, count), group, spent,
-                        front)
+                        front, sent)
         if kind == Kind.RESULT:
             (count,) = _COUNT.unpack_from(body, offset)
             return Result(ident, _read_tensors(body, offset + _COUNT.size, count))
@@ -439,6 +464,9 @@ def decode(body: bytearray) -> Message:
             (count,) = _STARTED.unpack_from(body, offset)
             calls = struct.unpack_from(f"<{count}Q", body, offset + _STARTED.size)
             return Started(calls, ident)
+        if kind == Kind.BACKLOG:
+            wait, ahead = _BACKLOG.unpack_from(body, offset)
+            return Backlog(wait, ahead, ident)
         if kind == Kind.PING:
             return Ping(ident)
         if kind == Kind.PONG:
@@ -529,12 +557,12 @@ class Outbox:
 
     A batch answers all its requests at once and a busy API worker sends many calls in
     one turn: gathering them turns N write system calls into one. `gather`, if given, is
-    asked for one last message just before each write (a runner's Started frame, which then
-    leaves in the same write as the answers of the batch before).
+    asked for the last messages just before each write (a runner's Started frame, which then
+    leaves in the same write as the answers of the batch before, and its Backlog).
     """
 
     def __init__(self, transport: asyncio.Transport,
-                 gather: Callable[[], Message | None] | None = None) -> None:
+                 gather: Callable[[], list[Message]] | None = None) -> None:
         self.transport = transport
         self.gather = gather
         self._chunks: Chunks = []
@@ -552,8 +580,9 @@ class Outbox:
 
     def _flush(self) -> None:
         self._due = False
-        if self.gather is not None and (last := self.gather()) is not None:
-            self._chunks.extend(encode(last))
+        if self.gather is not None:
+            for last in self.gather():
+                self._chunks.extend(encode(last))
         chunks, self._chunks = self._chunks, []
         if chunks and not self.transport.is_closing():
             self.transport.writelines(chunks)
