@@ -13,6 +13,16 @@ A request's size for the policy is its cost (`Signature.cost`): its rows, or for
 pad inputs its elements, bounded by `max_batch_elements`; such a request is one sequence,
 one row of the outputs, and never cut.
 
+Arrivals are taken per decision, not one by one: a connection that has delivered what came
+while the model runs, or while the policy waits for more rows, is held unread (`hold`) until
+the batch completes or the policy's wake-up comes, when every held connection reads again
+and the policy is polled once, after what they held is offered. So a
+runner wakes about once per batch for each API worker, however many requests the batch
+holds; refusals meanwhile are the API workers' own, from the backlog the runner publishes
+with its answers (`admission`). A connection is held no longer than the batch's
+predicted time (at most `Timeouts.HOLD_MAX_S`): a batch that overruns it is read beside, so
+a stall's arrivals are judged at once and a long batch does not starve its pings.
+
 The gauges are republished after batches (at most every `Timeouts.GAUGE_PERIOD_S`) and,
 once traffic stops, every `Timeouts.PUBLISH_S` until they read idle, so a scrape of an
 idle runner reads idle while the idle runner sets no timer; counts are tallied in the process
@@ -33,7 +43,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -46,7 +56,7 @@ from .core.types import BYTES, ModelInputs, Tensors
 from .core.wire import FailureCode
 from .metrics import RunnerMetrics
 from .models import Model
-from .policy.base import Batch, Policy, Request
+from .policy.base import Admission, Batch, Policy, Request
 from .policy.latency_model import Timing
 
 log = logging.getLogger(__name__)
@@ -67,6 +77,13 @@ class Rejection:
     predicted_s: float = 0.0
     deadline_s: float = 0.0
     rows_ahead: int = 0
+
+
+class Reader(Protocol):
+    """A connection the dispatcher may hold unread while the model runs (see `hold`)."""
+
+    def resume(self) -> None:
+        """Read again: the model is free, and what came meanwhile is to be decided on."""
 
 
 Reply = Callable[[Tensors | Rejection], None]
@@ -209,6 +226,12 @@ class Dispatcher:
         )
         self._refit_thread = ThreadPoolExecutor(1, "refit")
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._held: list[Reader] = []  # connections held unread until the batch completes
+        self._hold_limit: asyncio.TimerHandle | None = None
+        self._hold_until = 0.0  # the running batch's predicted end: held no longer
+        self._overdue = False  # the running batch overran it
+        self._gathering = 0  # reads being offered: one poll after them, not one per call
+        self._poll_due = False
 
     # --- lifetime -----------------------------------------------------------------------------
 
@@ -266,6 +289,7 @@ class Dispatcher:
         would otherwise pull them out when it completes."""
         self._accepting = False
         self._halted = True
+        self._release_held()
         self._arm(None, self.clock())
         for ident in list(self._jobs):
             self._answer(ident, Rejection(FailureCode.STOPPING, why, Timeouts.RETRY_AFTER_S))
@@ -282,13 +306,16 @@ class Dispatcher:
         group: tuple[str, ...] = (),
         spent_s: float = 0.0,
         front_s: float = 0.0,
+        arrival: float | None = None,
     ) -> None:
         """Queue one request of `rows` rows, checked against the signature already (one row
         for ragged or pad inputs); `reply` is called exactly once, on the event loop, and
         `started` whenever a batch holding it (or a piece of it) goes to the model. `group`
         holds its values of the runner's `group_by` parameters, as JSON texts; `spent_s` what
         it cost before it came (its decoding), which counts against the limit as well;
-        `front_s` what its API worker spends per request lately, for the capacity gauge."""
+        `front_s` what its API worker spends per request lately, for the capacity gauge;
+        `arrival`, when it came, on this clock, if before now (it was read late): its
+        budget runs from then."""
         self.metrics.load.offer(front_s)
         try:
             options = self._group_options(group)
@@ -303,7 +330,8 @@ class Dispatcher:
         if self._ticker is None and self._loop is not None:
             self._ticker = self._loop.call_later(Timeouts.PUBLISH_S, self._tick)
         now = self.clock()
-        deadline = now + min(budget_s, self.max_latency_s)
+        came = now if arrival is None or arrival > now else arrival
+        deadline = came + min(budget_s, self.max_latency_s)
         cost = self.signature.cost(tensors, rows)
         if cost > self.max_cost and self.unit == "elements":
             # A sequence is never cut; the signature refuses it first, so none comes here.
@@ -320,7 +348,7 @@ class Dispatcher:
             return
         if cost <= self.max_cost:
             job = _Job(tensors, reply, started=started, rows=rows, options=options)
-            self._offer(job, cost, now, deadline, group)
+            self._offer(job, cost, now, came, deadline, group)
             return
         # On an idle model a request that fits its cost curve is taken whole, as one that
         # needs a single batch is: refused, it would be refused at every try.
@@ -331,7 +359,7 @@ class Dispatcher:
         whole = _Whole(reply, [None] * len(pieces), len(pieces), rows, deadline)
         for index, (piece, size) in enumerate(pieces):
             job = _Job(piece, reply, whole, index, started, size, options)
-            self._offer(job, size, now, deadline, group, assured)
+            self._offer(job, size, now, came, deadline, group, assured)
 
     def _least_time_s(self, cost: int) -> float:
         """What a request of `cost` (rows, or elements) needs on an idle model: full batches
@@ -358,19 +386,90 @@ class Dispatcher:
         ))
 
     def _offer(
-        self, job: _Job, rows: int, now: float, deadline: float, group: tuple[str, ...],
-        assured: bool = False,
+        self, job: _Job, rows: int, now: float, arrival: float, deadline: float,
+        group: tuple[str, ...], assured: bool = False,
     ) -> None:
         ident = next(self._ids)
         self._jobs[ident] = job
-        if not self.policy.offer(Request(ident, rows, now, deadline, group, assured), now):
+        if not self.policy.offer(Request(ident, rows, arrival, deadline, group, assured), now):
             self._answer(ident, self._refused(
                 f"runner {self.runner.name!r} cannot answer within its deadline now",
                 deadline, now,
             ))
             return
         self._idle.clear()
-        self._pump()
+        if self._gathering:
+            self._poll_due = True
+        else:
+            self._pump()
+
+    # --- reading per decision -----------------------------------------------------------------
+
+    def gather(self) -> None:
+        """Calls read together follow: offer each, poll once after them (`gathered`)."""
+        self._gathering += 1
+
+    def gathered(self) -> None:
+        self._gathering -= 1
+        if not self._gathering and self._poll_due:
+            self._poll_due = False
+            self._pump()
+
+    def hold(self, reader: Reader) -> bool:
+        """Whether `reader` should stop reading until the next decision (then `reader.resume`
+        is called): while the model runs, until the batch completes or overruns the time
+        the policy predicted for it (from then on what comes is read at once, so the policy
+        judges it on a batch that has stalled); while the policy waits for more rows, until
+        the wake-up it asked for."""
+        if self._halted or self._loop is None:
+            return False
+        if self._busy:
+            if self._overdue:
+                return False
+            self._held.append(reader)
+            self._limit_hold()
+            return True
+        if self._timer.at - self.clock() > Timeouts.HOLD_MAX_S:
+            return False  # nothing is due: what comes may start a batch at once
+        self._held.append(reader)
+        return True
+
+    def _limit_hold(self) -> None:
+        """Read again once the running batch overruns its prediction."""
+        if self._hold_limit is None and self._held and self._loop is not None:
+            delay = max(0.0, self._hold_until - self.clock())
+            self._hold_limit = self._loop.call_later(delay, self._overran_prediction)
+
+    def _overran_prediction(self) -> None:
+        self._hold_limit = None
+        self._overdue = True
+        self._release_held()
+
+    def _release_held(self) -> list[Reader]:
+        """Let every held connection read again; the ones that were held."""
+        if self._hold_limit is not None:
+            self._hold_limit.cancel()
+            self._hold_limit = None
+        held, self._held = self._held, []
+        for reader in held:
+            reader.resume()
+        return held
+
+    def _finished(self, batch: Batch, done: Future[_Outcome]) -> None:
+        """The model is back. Connections held meanwhile read first (their reads land in the
+        loop's next turn, before the turn after), so what came while the batch ran is offered
+        as it would have been on arrival, the batch still running, and the next batch is
+        chosen from all of it."""
+        if not self._held or self._loop is None:
+            self._completed(batch, done)
+            return
+        self._overdue = True  # what comes now is read at once
+        self._release_held()
+        self._loop.call_soon(self._loop.call_soon, self._completed, batch, done)
+
+    def admission(self) -> Admission:
+        """What a one-row request offered now would be judged on (`Policy.admission`)."""
+        return self.policy.admission(self.clock())
 
     # --- the loop's side: poll, launch, complete ----------------------------------------------
 
@@ -448,13 +547,22 @@ class Dispatcher:
             timer.handle = self._loop.call_later(delay, self._wake)
 
     def _wake(self) -> None:
+        """The wake-up the policy asked for: connections held until it read first."""
         self._timer.handle = None
         self._timer.at = float("inf")
+        if self._held and self._loop is not None:
+            self._release_held()
+            self._loop.call_soon(self._loop.call_soon, self._pump)
+            return
         self._pump()
 
     def _launch(self, batch: Batch) -> None:
         assert self._loop is not None, "start() runs before any request"
         self._busy = True
+        predicted_s = batch.predicted_s or Timeouts.HOLD_MAX_S
+        self._hold_until = self.clock() + min(predicted_s, Timeouts.HOLD_MAX_S)
+        self._overdue = False
+        self._limit_hold()  # connections held while the policy waited stay held
         jobs = [self._jobs[request.id] for request in batch.requests]
         for job in jobs:
             if job.started is not None:
@@ -462,7 +570,7 @@ class Dispatcher:
         parts = [job.tensors for job in jobs]
         sizes = [job.rows for job in jobs]
         future = self._model_thread.submit(self._execute, parts, sizes, jobs[0].options)
-        future.add_done_callback(lambda done: self._to_loop(self._completed, batch, done))
+        future.add_done_callback(lambda done: self._to_loop(self._finished, batch, done))
         self._watchdog = self._loop.call_later(
             self.runner.batch_timeout_s, self._overran, batch
         )

@@ -128,6 +128,12 @@ rejections = Counter(
     ["runner", "reason"],
 )
 REJECTION_REASONS = ("queue", "expired", "draining")
+reads = Counter(
+    "batchserve_runner_reads_total",
+    "Reads of calls from API workers: a runner process's wakes for arrivals (it reads while "
+    "its model is free, so about one per API worker and batch under load)",
+    ["runner"],
+)
 starts = Counter(
     "batchserve_runner_starts_total", "Runner processes started (a restart counts again)",
     ["runner"],
@@ -224,9 +230,10 @@ class RunnerMetrics:
         self._duration = Tally(batch_duration.labels(runner))
         self._ratio = Tally(batch_time_ratio.labels(runner))
         self._cpu = Tally(batch_cpu.labels(runner))
+        self.reads = Count(reads.labels(runner))
         self._tallies: list[Tally | Count] = [
             *self._rejections.values(), self._batch_size, self._queue_wait, self._duration,
-            self._ratio, self._cpu]
+            self._ratio, self._cpu, self.reads]
         self._gauges = {field: gauge.labels(runner) for field, gauge in gauges.items()}
         self._published = 0.0
         self._log = open_batch_log(runner)

@@ -35,6 +35,7 @@ from .core.timeouts import Timeouts
 from .core.types import Tensors
 from .core.wire import (
     Address,
+    Backlog,
     Call,
     Failure,
     FailureCode,
@@ -81,11 +82,12 @@ class Connection(asyncio.BufferedProtocol):
         self.heard = time.monotonic()
         self._overdue: asyncio.TimerHandle | None = None
         self._starting: list[int] = []
-        self.local = True  # the API worker runs on this machine: its CPU is on these cores
+        self._answered = False  # answers were put since the last write: publish the backlog
+        self.local = True  # the API worker runs on this machine: its CPU and clock are ours
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.outbox = Outbox(self.transport, self._take_started)  # type: ignore[arg-type]
+        self.outbox = Outbox(self.transport, self._last_words)  # type: ignore[arg-type]
         self.live.add(self)
         self.local = _local(transport.get_extra_info("peername"))
         tune(transport, self.timeouts.link_idle_s)
@@ -107,6 +109,9 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.heard = time.monotonic()
+        dispatcher = self.dispatcher
+        dispatcher.metrics.reads.inc()
+        dispatcher.gather()
         try:
             for body in self.reader.buffer_updated(nbytes):
                 if self.transport is None or self.transport.is_closing():
@@ -116,6 +121,17 @@ class Connection(asyncio.BufferedProtocol):
             log.warning("runner %s: closing a connection: %s", self.runner.name, exc)
             if self.transport is not None:
                 self.transport.close()
+        finally:
+            dispatcher.gathered()
+        # Only a connection from this machine is held: its calls carry when they were sent
+        # on our clock, so one read late keeps its deadline.
+        if (self.local and self.transport is not None and self.greeting is None
+                and dispatcher.hold(self)):
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def close(self, why: str) -> None:
         """Log why, and drop this connection."""
@@ -143,11 +159,16 @@ class Connection(asyncio.BufferedProtocol):
             started = functools.partial(self._started, message.id)
             self.dispatcher.submit(message.tensors, message.rows, message.budget_s, reply, started,
                                    message.group, message.spent_s,
-                                   message.front_s if self.local else 0.0)
+                                   message.front_s if self.local else 0.0, self._sent(message))
         elif isinstance(message, Ping):
             self._send(Pong(message.id))
         else:
             raise WireError(f"a runner does not accept {type(message).__name__} frames")
+
+    def _sent(self, call: Call) -> float | None:
+        """When `call` was sent, if that is on our clock (from this machine): a call read
+        late, after the batch its connection was held for, keeps its deadline."""
+        return call.sent_s if self.local and call.sent_s > 0.0 else None
 
     def _admit(self, message: object) -> None:
         assert self.greeting is not None and self.transport is not None
@@ -187,12 +208,23 @@ class Connection(asyncio.BufferedProtocol):
         if self.outbox is not None:
             self.outbox.wake()
 
-    def _take_started(self) -> Started | None:
-        calls, self._starting = self._starting, []
-        return Started(tuple(calls)) if calls else None
+    def _last_words(self) -> list[Started | Backlog]:
+        """What goes last in each write: the calls whose batch started, and with answers, the
+        backlog they leave (`Dispatcher.admission`), so the API worker refuses in place."""
+        words: list[Started | Backlog] = []
+        if self._starting:
+            words.append(Started(tuple(self._starting)))
+            self._starting = []
+        if self._answered:
+            self._answered = False
+            admission = self.dispatcher.admission()
+            words.append(Backlog(admission.wait_s, admission.rows_ahead))
+        return words
 
     def _send(self, message: Result | Failure | Started | Pong | Welcome) -> None:
         if self.transport is not None and self.outbox is not None:
+            if isinstance(message, Result | Failure):
+                self._answered = True
             self.outbox.put(message)
 
 

@@ -85,20 +85,29 @@ def test_a_deadline_the_queue_ahead_cannot_meet_is_refused_at_once_with_retry_af
 
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(one, range(4)))
-    assert sorted(answer.status_code for answer in answers) == [200, 503, 503, 503]
+    statuses = [answer.status_code for answer in answers]
+    served = statuses.count(200)
+    # Requests read together may share the first batch; every other one is refused.
+    assert served >= 1 and statuses.count(503) == 4 - served >= 1, statuses
     for answer in answers:
         if answer.status_code != 503:
             continue
         assert answer.headers["retry-after"].isdigit()
-        assert answer.json()["error"] == (
+        assert answer.json()["error"] in (
             "runner 'slow' refused the request: it cannot be answered within the runner's "
-            "latency limit; retry later"
+            "latency limit; retry later",
+            "runner 'slow' refused the request: its backlog cannot be served within the "
+            "request's latency limit; retry later",  # by the API worker, on the same judgement
         )
+        assert answer.json()["reason"] in ("queue", "backlog")
     with server.client() as client:
         metrics = client.get("/metrics").text
-    # Refused by prediction at arrival: only the first request's batch ever ran.
-    assert sample(metrics, "batchserve_rejections_total", runner="slow", reason="queue") == 3
+    # Refused by prediction at arrival: only the first batch ever ran, holding what was served.
+    refused = (sample(metrics, "batchserve_rejections_total", runner="slow", reason="queue")
+               + sample(metrics, "batchserve_unavailable_total", runner="slow", reason="backlog"))
+    assert refused == 4 - served
     assert sample(metrics, "batchserve_adaptive_batch_size_count", runner="slow") == 1
+    assert sample(metrics, "batchserve_adaptive_batch_size_sum", runner="slow") == served
 
 
 def test_an_overloaded_runner_answers_queue_with_a_retry_after_that_grows_with_its_backlog(

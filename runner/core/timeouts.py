@@ -115,6 +115,10 @@ class Timeouts:
     LAG_FLOOR_S: ClassVar[float] = 0.010
     """The least loop lag that counts as falling behind, whatever the limits: below it, a loop
     on shared cores is only waiting its turn for the scheduler."""
+    HOLD_MAX_S: ClassVar[float] = 0.5
+    """The longest a runner leaves a connection unread while its model runs a batch (it reads
+    once the batch ends, or once it overruns its predicted time): a long batch must not keep
+    a ping from its answer (`ping_timeout_s`)."""
     STATUS_POLL_S: ClassVar[float] = 0.01
     """How often a runner checks that its metrics and health server has started."""
     EXIT_DELAY_S: ClassVar[float] = 0.1

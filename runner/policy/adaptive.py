@@ -15,7 +15,7 @@ from typing import Any
 
 from ..core.config import REFUSE_MODES, Refuse
 from ..core.retry import retry_after_s
-from .base import Batch, PolicyStats, Reason, Refusal, Request, Step
+from .base import NO_ADMISSION, Admission, Batch, PolicyStats, Reason, Refusal, Request, Step
 from .latency_model import Fit, LatencyModel, RecentQuantile, Timing, fit_samples
 from .state import Costs, Limits, Rates, Refits, Running, Waiting
 from .tuning import DEFAULT_TUNING, Tuning
@@ -239,6 +239,20 @@ class AdaptivePolicy:
     def refusal(self) -> Refusal | None:
         return self._refusal
 
+    def admission(self, now: float) -> Admission:
+        """What `_admits` would promise a one-row request now: nothing when the model stands
+        idle (it takes any request that fits alone) and with `refuse: oldest`, which refuses
+        nothing on arrival."""
+        waiting, busy = self._waiting, self._busy
+        if self.oldest or (busy.batch is None and not waiting.requests):
+            return NO_ADMISSION
+        finish = self.promised_finish(1, now)
+        if waiting.rows < self.limits.max_batch_size and len(waiting.group_rows) <= 1:
+            # The next batch may stretch past the cap to take it (`_stretch_next`).
+            finish = min(finish, self._stretched_finish(waiting.rows + 1, now, math.inf))
+        running = busy.batch.rows if busy.batch is not None else 0
+        return Admission(finish - now, waiting.rows + running)
+
     def drain_s(self, rows: float) -> float:
         """How long the model takes to serve `rows` at full speed: batches at the cap, back to
         back, as the fit predicts them now. Of the rows ahead plus the refused backlog, this
@@ -386,16 +400,20 @@ class AdaptivePolicy:
             return False  # the next batch is another group's, or this one's is not next
         if len(waiting.requests) + 1 > self.limits.request_bound:
             return False
-        start, running_s = self._next_start(now)
-        batch_s = self._costs.mean_intercept_s + self._costs.mean_slope_s * rows
-        sums = _Sums(running_s, self._busy.rows)
-        sums.add(batch_s, 1, rows)
-        finish = start + self._gaps.mean + batch_s + self._reserve(sums, request.deadline - now)
+        finish = self._stretched_finish(rows, now, request.deadline - now)
         earliest = min((queued.deadline for queued in waiting.requests), default=math.inf)
         if finish > min(earliest, request.deadline):
             return False
         waiting.next_rows = rows
         return True
+
+    def _stretched_finish(self, rows: int, now: float, budget_s: float) -> float:
+        """When the next batch would end holding `rows` (high quantile)."""
+        start, running_s = self._next_start(now)
+        batch_s = self._costs.mean_intercept_s + self._costs.mean_slope_s * rows
+        sums = _Sums(running_s, self._busy.rows)
+        sums.add(batch_s, 1, rows)
+        return start + self._gaps.mean + batch_s + self._reserve(sums, budget_s)
 
     def _use(self, fit: Fit) -> None:
         self.model.fit = fit

@@ -89,6 +89,19 @@ class Refusal:
 
 
 @dataclass(frozen=True, slots=True)
+class Admission:
+    """What a one-row request offered now would be judged on: how long it is predicted to
+    take (at the high quantile, as `offer` admits on; 0 where `offer` refuses nothing) and
+    the rows ahead of it, queued and running."""
+
+    wait_s: float = 0.0
+    rows_ahead: int = 0
+
+
+NO_ADMISSION = Admission()
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyStats:
     window_s: float
     cap: int
@@ -147,6 +160,11 @@ class Policy(Protocol):
         """Why the last refused `offer` was refused (None for a policy that cannot say)."""
         ...
 
+    def admission(self, now: float) -> Admission:
+        """What a one-row request offered now would be judged on. Published with the
+        runner's answers, it lets an API worker refuse in place what `offer` would refuse."""
+        ...
+
 
 def take_in_order(queue: deque[Request], cap: int) -> tuple[tuple[Request, ...], int]:
     """Pop the oldest request's group in arrival order while it fits `cap` rows (always at
@@ -188,6 +206,9 @@ class WithoutModel:
 
     def refusal(self) -> Refusal | None:
         return None
+
+    def admission(self, now: float) -> Admission:
+        return NO_ADMISSION
 
 
 class GreedyPolicy(WithoutModel):
