@@ -42,6 +42,7 @@ from ..runner.core.timeouts import Timeouts
 from ..runner.core.types import Tensors
 from ..runner.core.wire import (
     Address,
+    Backlog,
     Call,
     Failure,
     FailureCode,
@@ -57,6 +58,7 @@ from ..runner.core.wire import (
     encode,
     tune,
 )
+from .backlog import Published
 from .choice import CHOOSERS
 from .discovery import Discovery, Resolver, resolve
 from .errors import Unavailable
@@ -120,6 +122,7 @@ class Link(asyncio.BufferedProtocol):
         self._expiry: asyncio.TimerHandle | None = None
         self._expiry_at = math.inf
         self.started: set[int] = set()  # pending calls whose batch went to the model
+        self.backlog = Published()  # the runner process's last published wait
         self.reader = FrameReader()
         self.next_id = 0
         self.lost = asyncio.Event()
@@ -172,6 +175,9 @@ class Link(asyncio.BufferedProtocol):
                     continue
                 if isinstance(message, Started):
                     self.started.update(c for c in message.calls if c in self.pending)
+                    continue
+                if isinstance(message, Backlog):
+                    self.backlog.hear(message.wait_s, message.rows_ahead, self.heard)
                     continue
                 waiting = self.pending.pop(message.id, None)
                 if waiting is None:
@@ -472,12 +478,19 @@ class Pool:
             raise Unavailable(f"no process of runner {self.runner!r} is reachable")
         return links[self.choose(len(links), lambda i: len(links[i].pending), self.rng)]
 
+    def least_backlog(self, now: float) -> Published | None:
+        """The backlog of the connected process whose published wait leaves the most time
+        at `now`, judged before a process is picked: a request every process would refuse is
+        refused as soon as its headers are in."""
+        backlogs = [link.backlog for link in self.links if link.connected]
+        return min(backlogs, key=lambda backlog: backlog.left_s(now), default=None)
+
     def _connected(self, besides: Link | None = None) -> list[Link]:
         return [link for link in self.links if link.connected and link is not besides]
 
     def submit(
         self, tensors: Tensors, rows: int, budget_s: float, group: tuple[str, ...],
-        wait_s: float, done: Done, spent_s: float = 0.0,
+        wait_s: float, done: Done, spent_s: float = 0.0, link: Link | None = None,
     ) -> None:
         """Call a process with `tensors` of `rows` rows, checked against the signature; `done`
         is told the outputs or the exception, once, on the event loop. If the process goes
@@ -485,8 +498,11 @@ class Pool:
         call that had started is never run twice). A runner silent for `wait_s` past the
         budget is given up on: only a process that hangs as a whole gets that far. `spent_s`
         is what the request cost before (its decoding), which the runner counts against the
-        limit when it judges whether the request could ever fit."""
-        _Sent(self, tensors, rows, budget_s, group, wait_s, done, spent_s).go(self.pick())
+        limit when it judges whether the request could ever fit. `link` is the process picked
+        for it already (on its headers), if any."""
+        if link is None or not link.connected:
+            link = self.pick()
+        _Sent(self, tensors, rows, budget_s, group, wait_s, done, spent_s).go(link)
 
     async def infer(
         self, tensors: Tensors, rows: int, budget_s: float, group: tuple[str, ...] = (),
@@ -533,7 +549,7 @@ class _Sent:
 
     def build(self, ident: int) -> Call:
         return Call(ident, self.budget_s, self.rows, self.tensors, self.group, self.spent_s,
-                    self.pool.front_s)
+                    self.pool.front_s, self.sent)
 
     def answer(self, outcome: Message | Exception) -> None:
         if isinstance(outcome, Result):

@@ -13,6 +13,7 @@
     └── Unavailable            503  try again later; answered with `Retry-After`
         ├── RunnerUnavailable       the runner process is draining: it stops or restarts
         ├── SloRefused              the runner refused: its queue cannot answer within the limit
+        ├── BacklogRefused          the same judged by the API worker, on the runner's backlog
         ├── Overloaded              the API worker is behind and sheds load at the front
         └── Stopping                the server is draining before it exits
 
@@ -49,6 +50,7 @@ __all__ = [
     "RouteNotFound",
     "RunnerUnavailable",
     "SloRefused",
+    "BacklogRefused",
     "Stopping",
     "TooManyRows",
     "Unavailable",
@@ -174,6 +176,21 @@ class SloRefused(Unavailable):
             "runner's latency limit; retry later",
             retry_after,
             "queue",
+            details,
+        )
+        self.runner = runner
+
+
+class BacklogRefused(Unavailable):
+    """Refused by the API worker on the backlog the runner process published: what is left
+    of it would not let the request finish within its budget (`batchserve.api.backlog`)."""
+
+    def __init__(self, runner: str, retry_after: float, details: Mapping[str, float]) -> None:
+        super().__init__(
+            f"runner {runner!r} refused the request: its backlog cannot be served within the "
+            "request's latency limit; retry later",
+            retry_after,
+            "backlog",
             details,
         )
         self.runner = runner

@@ -36,8 +36,10 @@ from ..runner.core.types import Tensors
 from ..runner.core.wire import Address, Failure, FailureCode
 from ..runner.metrics import SECONDS_BUCKETS, Count, Tally
 from . import admission, protocol
+from .backlog import Published
 from .dispatch import NO_KEYS, Pool, RunnerFailure
 from .errors import (
+    BacklogRefused,
     BadRequest,
     BatchserveError,
     ModelNotFound,
@@ -66,7 +68,8 @@ request_duration = Histogram(
 requests_total = Counter(
     "batchserve_requests_total", "Inference requests answered", ["runner", "code"]
 )
-UNAVAILABLE_REASONS = ("queue", "front", "draining", "expired", "unreachable", "late")
+UNAVAILABLE_REASONS = ("queue", "backlog", "front", "draining", "expired", "unreachable",
+                       "late")
 unavailable_total = Counter(
     "batchserve_unavailable_total", "Inference requests answered 503, by why", ["runner", "reason"]
 )
@@ -316,13 +319,17 @@ class Exchange:
     def admit(self, version: str | None) -> None:
         service = self.service
         try:
-            self.runner = service.runner(self.name, version)
+            runner = self.runner = service.runner(self.name, version)
             if service.stopping:
                 raise Stopping()
             service.inflight += 1
             self.counted = True
             service.arrived.set()
             service.shed(self.name)
+            limit = runner.batching.max_latency_ms / 1000
+            self._refuse_on_backlog(service.pools[self.name].least_backlog(self.started),
+                                    limit - service.reserves[self.name].seconds(limit),
+                                    self.started)
         except Exception as exc:
             self.fail(exc)
 
@@ -358,15 +365,28 @@ class Exchange:
                 raise Unavailable(
                     f"the request's deadline passed before it reached {runner.name!r}",
                     reason="late")
+            pool = service.pools[runner.name]
+            link = pool.pick()
+            self._refuse_on_backlog(link.backlog, self.budget_s, self.sent)
             # A runner answers by the call's deadline, or by its batch time limit once the
             # call is in a batch; the slack only bounds a runner process that hangs as a whole.
             wait_s = runner.batch_timeout_s + service.config.timeouts.call_slack_s
-            service.pools[runner.name].submit(
-                call.inputs, call.rows, self.budget_s, call.group, wait_s, self.answered,
-                spent_s)
+            pool.submit(call.inputs, call.rows, self.budget_s, call.group, wait_s, self.answered,
+                        spent_s, link)
             service.waiting[runner.name] += 1
         except Exception as exc:
             self.fail(exc)
+
+    def _refuse_on_backlog(self, backlog: Published | None, budget_s: float, now: float
+                           ) -> None:
+        """Refuse in place what a runner process would refuse, by the backlog it published
+        (`batchserve.api.backlog`): no crossing, and on its headers when every process would."""
+        if backlog is None or not backlog.refuses(budget_s, now):
+            return
+        left_s = backlog.left_s(now)
+        raise BacklogRefused(self.name, retry_after_s(left_s), {
+            "predicted_ms": round(left_s * 1000, 1), "deadline_ms": round(budget_s * 1000, 1),
+            "rows_ahead": backlog.rows_ahead})
 
     def _judge_decoding(self, call: protocol.InferRequest, size: int, spent_s: float,
                         rate: admission.DecodeRate | None) -> None:

@@ -1,0 +1,68 @@
+"""The API worker's refusals from a runner process's published backlog, on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchserve.api.backlog import Published
+from batchserve.runner.policy.adaptive import AdaptivePolicy
+from batchserve.runner.policy.base import Request
+from batchserve.runner.policy.latency_model import Timing
+
+
+def test_a_published_wait_ages_as_the_clock_runs() -> None:
+    backlog = Published()
+    assert not backlog.refuses(0.0001, now=5.0)  # nothing heard yet: nothing refused here
+    backlog.hear(0.080, 12, now=10.0)
+    assert backlog.left_s(10.0) == pytest.approx(0.080)
+    assert backlog.refuses(0.050, now=10.0)
+    assert backlog.refuses(0.050, now=10.020)  # 60 ms left
+    assert not backlog.refuses(0.050, now=10.040)  # 40 ms left: the runner judges it
+    assert backlog.left_s(11.0) == 0.0
+    backlog.hear(0.0, 0, now=12.0)  # a runner that refuses nothing on arrival
+    assert not backlog.refuses(0.0, now=12.0)
+
+
+def fitted_policy(refuse: str = "at_arrival") -> AdaptivePolicy:
+    """A policy that knows its model: 2 ms a batch plus 1 ms a row, 100 ms limit."""
+    policy = AdaptivePolicy(64, 0.100, refuse=refuse)  # type: ignore[arg-type]
+    policy.calibrate([Timing(rows, 0.002 + 0.001 * rows, 0.002 + 0.001 * rows)
+                      for rows in policy.calibration_sizes() for _ in range(3)])
+    return policy
+
+
+def busy_with(policy: AdaptivePolicy, rows: int, now: float) -> int:
+    """Run one batch and queue `rows` one-row requests behind it; the next free id."""
+    assert policy.offer(Request(0, 1, now, now + 0.1), now)
+    assert policy.poll(now).batch is not None
+    for ident in range(1, rows + 1):
+        policy.offer(Request(ident, 1, now, now + 0.1), now)
+    return rows + 1
+
+
+@pytest.mark.parametrize("queued", [0, 20, 60, 120])
+def test_what_the_published_wait_refuses_the_policy_refuses_too(queued: int) -> None:
+    now = 1.0
+    policy = fitted_policy()
+    ident = busy_with(policy, queued, now)
+    admission = policy.admission(now)
+    assert admission.rows_ahead == policy.stats(now).queued + 1  # one row runs
+    backlog = Published()
+    backlog.hear(admission.wait_s, admission.rows_ahead, now)
+    later = now + 0.003  # heard 3 ms ago: the API worker's clock ran on
+    for budget_s in (0.5 * admission.wait_s, 0.9 * admission.wait_s - 0.003):
+        if budget_s <= 0.0:
+            continue
+        assert backlog.refuses(budget_s, later)
+        ident += 1
+        assert not policy.offer(Request(ident, 1, later, later + budget_s), later), (
+            queued, budget_s, admission)
+    # What it leaves to the runner, the runner may take: a budget well over the wait.
+    assert not backlog.refuses(1.2 * admission.wait_s, later)
+
+
+def test_an_idle_runner_and_one_that_refuses_the_oldest_publish_nothing_to_refuse_on() -> None:
+    assert fitted_policy().admission(0.0).wait_s == 0.0
+    oldest = fitted_policy("oldest")
+    busy_with(oldest, 200, 1.0)
+    assert oldest.admission(1.0).wait_s == 0.0
