@@ -43,8 +43,14 @@ def _links(config: Config, api_only: bool) -> Credentials:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .connection import UnsupportedUvicorn, check_uvicorn
     from .supervisor import Supervisor
 
+    try:
+        check_uvicorn()
+    except UnsupportedUvicorn as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return CONFIG_ERROR
     config = load(args.config) if args.api_only else _check(args.config)
     keys = _links(config, args.api_only)
     api = config.api

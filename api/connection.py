@@ -20,15 +20,63 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from email.utils import formatdate
+from importlib.metadata import version
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+import uvicorn.protocols.http.httptools_impl as httptools_impl
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
 
 from . import service as inference
 from .errors import PayloadTooLarge
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+_STATUS_LINE: dict[int, bytes] = getattr(httptools_impl, "STATUS_LINE", {})
+HOOKS = ("on_message_begin", "on_headers_complete", "on_body", "on_message_complete",
+         "on_response_complete", "_start_asgi_task")
+"""uvicorn's protocol methods this one overrides or calls."""
+STATE = ("parser", "headers", "url", "cycle", "pipeline", "flow", "server_state", "config",
+         "app_state", "root_path", "asgi_version", "server", "client", "scheme", "transport",
+         "expect_100_continue")
+"""Its attributes read or set here (some only once a connection is made)."""
+
+
+def missing_internals() -> list[str]:
+    """What this module uses of uvicorn that the installed uvicorn does not have."""
+    missing = [] if hasattr(httptools_impl, "STATUS_LINE") else ["STATUS_LINE"]
+    missing += [f"HttpToolsProtocol.{name}" for name in HOOKS
+                if not callable(getattr(HttpToolsProtocol, name, None))]
+    config = Config(app=_no_app, http="httptools", lifespan="off")
+    config.load()
+    state = ServerState()
+    protocol = HttpToolsProtocol(config, state, {})
+    protocol.on_message_begin()  # sets the per-request attributes
+    missing += [f"HttpToolsProtocol.{name}" for name in STATE if not hasattr(protocol, name)]
+    missing += [f"ServerState.{name}" for name in ("default_headers",)
+                if not hasattr(state, name)]
+    missing += [f"Config.{name}" for name in ("date_header", "encoded_headers")
+                if not hasattr(config, name)]
+    return missing
+
+
+class UnsupportedUvicorn(RuntimeError):
+    """The installed uvicorn lacks internals this module uses."""
+
+
+def check_uvicorn() -> None:
+    """Fail at once, naming the version, when the installed uvicorn lacks what is used here."""
+    missing = missing_internals()
+    if missing:
+        raise UnsupportedUvicorn(
+            f"uvicorn {version('uvicorn')} lacks what batchserve's HTTP connection uses: "
+            f"{', '.join(missing)}; install the version pyproject.toml names")
+
+
+async def _no_app(scope: Any, receive: Any, send: Any) -> None:
+    """The app of the protocol `missing_internals` builds: it serves nothing."""
 
 
 class _Quiet:
@@ -234,7 +282,7 @@ class Connection(HttpToolsProtocol):
         transport = self.transport
         if not exchange.disconnected and not transport.is_closing():
             keep_alive = exchange.keep_alive and headers.get("Connection") != "close"
-            parts = [STATUS_LINE[status], _Date.lines]
+            parts = [_STATUS_LINE[status], _Date.lines]
             for name, text in headers.items():
                 if name != "Connection":
                     parts.append(_line(name, text))
@@ -253,4 +301,5 @@ def protocol_for(service: inference.Service) -> type[Connection]:
     return type("WorkerConnection", (Connection,), {"service": service})
 
 
-__all__ = ["Connection", "Exchange", "httptools", "protocol_for"]
+__all__ = ["Connection", "Exchange", "UnsupportedUvicorn", "check_uvicorn", "httptools",
+           "protocol_for"]
