@@ -2,7 +2,7 @@
 
 Faults are injected on the fake clock (the policy alone, every decision exact), in the live
 dispatcher (a real event loop and model thread), and in a real server: a model call that
-stalls, a refit that raises or takes a second, a clock that jumps, a burst of a thousand
+stalls, a refit that raises or does not come back, a clock that jumps, a burst of a thousand
 requests in ten milliseconds, an answer that cannot be sent.
 """
 
@@ -119,43 +119,78 @@ def fitted_adaptive() -> AdaptivePolicy:
     return policy
 
 
-class RefitFault(AdaptivePolicy):
-    """Every refit job raises, or sleeps `seconds` before fitting."""
+REFIT_HELD_S = 5.0
+"""The most a held refit waits for the test to let it go: a dispatcher whose batches waited
+for it would answer them only after this, once it has returned."""
 
-    def __init__(self, seconds: float | None) -> None:
+
+class RefitFault(AdaptivePolicy):
+    """Every refit job raises, or is held until the test lets it go."""
+
+    def __init__(self, raises: bool) -> None:
         super().__init__(4, 1.0, Tuning(refit_every=1, refit_rows=1, refit_period_s=0.0))
-        self.seconds = seconds
+        self.raises = raises
         self.jobs = 0
+        self.entered = threading.Event()  # a refit job has begun
+        self.release = threading.Event()  # the test lets a held refit go on
+        self.finished = threading.Event()  # a refit job returned or raised
 
     def refit_job(self, now: float) -> Callable[[], Any] | None:
         job = super().refit_job(now)
         if job is None:
             return None
         self.jobs += 1
-        seconds = self.seconds
 
         def faulty() -> Any:
-            if seconds is None:
-                raise RuntimeError("injected refit failure")
-            time.sleep(seconds)
-            return job()
+            self.entered.set()
+            try:
+                if self.raises:
+                    raise RuntimeError("injected refit failure")
+                if not self.release.wait(REFIT_HELD_S):
+                    self.release.set()  # held once: any later refit goes straight on
+                return job()
+            finally:
+                self.finished.set()
 
         return faulty
 
 
-@pytest.mark.parametrize("seconds", [None, 1.0], ids=["raises", "takes-1s"])
-async def test_batches_run_on_while_refits_fail_or_take_a_second(seconds: float | None) -> None:
-    policy = RefitFault(seconds)
+async def wait_until(condition: Callable[[], bool], what: str, limit_s: float = 10.0) -> None:
+    """Let the loop run until `condition` holds; fail after `limit_s`."""
+    give_up = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < give_up, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("raises", [True, False], ids=["raises", "held"])
+async def test_batches_run_on_while_refits_fail_or_are_held(
+    raises: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refit that failed is logged and batches go on; one that has not come back yet (held
+    until every answer is in) holds up none of them."""
+    policy = RefitFault(raises)
     gate = Gate()
     d = dispatcher(gate, policy, max_batch_size=4)
     await d.start()
-    started = time.monotonic()
-    for i in range(30):
-        answer = await ask(d, rows(1, i))
-        assert not isinstance(answer, Rejection), answer
-    assert policy.jobs >= 1  # a refit was under way (or failed) while they were served
-    if seconds is not None:
-        assert time.monotonic() - started < seconds  # none of them waited for it
+    try:
+        first = await ask(d, rows(1))  # its batch's completion hands out the first refit
+        assert not isinstance(first, Rejection), first
+        assert await asyncio.to_thread(policy.entered.wait, 10), "no refit was handed out"
+        if raises:  # the dispatcher has taken the failure in before the requests below
+            await wait_until(lambda: "refit failed" in caplog.text, "the failure to be logged")
+        answered = answered_while_held = 0
+        for i in range(30):
+            answer = await ask(d, rows(1, i))
+            assert not isinstance(answer, Rejection), answer
+            answered += 1
+            answered_while_held += not policy.finished.is_set()
+    finally:
+        policy.release.set()
+    assert answered == 30
+    if not raises:
+        assert answered_while_held == 30, "answers waited for the refit to come back"
+    assert policy.jobs == 1  # that refit was outstanding, failed or held, for all 30
 
 
 async def test_a_stalled_model_call_leaves_no_request_stranded() -> None:
