@@ -198,7 +198,6 @@ def test_gauges_are_true_at_scrape_time_and_the_page_passes_promtool(
     finally:
         busy.set()
         loader.join(30)
-    stopped = time.monotonic()
 
     def idle() -> bool:
         samples = scrape(server)
@@ -207,7 +206,6 @@ def test_gauges_are_true_at_scrape_time_and_the_page_passes_promtool(
                 and total(samples, "batchserve_inflight_requests") == 0)
 
     wait_for(idle, 10, "arrival rate, queue depth and in-flight requests to read idle")
-    assert time.monotonic() - stopped < 10
     samples = scrape(server)
     limits = {v for (n, _), v in samples.items()
               if n == "batchserve_runner_latency_limit_seconds"}
