@@ -84,9 +84,11 @@ def hang_echo(x: np.ndarray) -> np.ndarray:
 
 
 def gated_echo(x: np.ndarray) -> np.ndarray:
-    """Echoes its input; a batch holding a -1 waits until a file named `gate` exists beside
-    this module, so a test decides exactly how long requests stay in flight."""
+    """Echoes its input; a batch holding a -1 creates a file named `held` beside this module
+    (the test sees it is in the model), then waits until a file named `gate` exists there, so
+    a test decides exactly how long requests stay in flight."""
     if (x == -1).any():
+        Path(__file__).with_name("held").touch()
         gate = Path(__file__).with_name("gate")
         while not gate.exists():
             time.sleep(0.01)

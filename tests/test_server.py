@@ -7,6 +7,7 @@ import re
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -85,35 +86,48 @@ def test_tritonclient_http_against_the_real_server(bundled: Server, binary: bool
         client.close()
 
 
-def test_concurrent_requests_form_batches_within_the_cap(bundled: Server) -> None:
-    rows = np.random.default_rng(3).standard_normal((64, 256)).astype(np.float32)
-    start = threading.Barrier(64)
+def batch_sizes(folder: Path) -> list[int]:
+    """The rows of every batch the runner processes have logged so far (BATCHSERVE_BATCH_LOG)."""
+    return [int(line.split(",")[0]) for log in sorted(folder.glob("*.csv"))
+            for line in log.read_text().splitlines()[1:]]
 
-    def one(i: int) -> np.ndarray:
-        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256],
-                            "data": rows[i].tolist()}]}
-        with bundled.client() as client:
-            start.wait()
-            answer = client.post("/v2/models/mlp/infer", json=body)
+
+def test_concurrent_requests_form_batches_within_the_cap(
+    serve: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight times the cap queued at once behind a held batch: the runner's own batch log
+    shows batches of several requests, the largest exactly the cap."""
+    cap, sent = 8, 64  # PID_CONFIG's max_batch_size, and eight times it
+    logs = tmp_path / "batches"
+    monkeypatch.setenv("BATCHSERVE_BATCH_LOG", str(logs))
+    config = PID_CONFIG.format(name="capped", model="gated_echo", latency=30000,
+                               outputs="{name: y, datatype: FP32, shape: [-1, 4]}")
+    config = config.replace("workers: 2\n", "workers: 1\n")  # one runner process: one queue
+    server: Server = serve(config, "--api-workers", "2")  # type: ignore[operator]
+
+    def post(value: float) -> httpx.Response:
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
+                            "data": [value] * 4}]}
+        with server.client() as client:
+            return client.post("/v2/models/capped/infer", json=body)
+
+    with ThreadPoolExecutor(sent + 1) as pool:
+        try:
+            held = pool.submit(post, -1.0)  # -1: the model holds its batch at the gate
+            wait_for((tmp_path / "held").exists, 30, "the held batch to be in the model")
+            futures = [pool.submit(post, float(i)) for i in range(sent)]
+            wait_for(lambda: in_flight(server, "capped") == sent + 1, 30,
+                     "every request queued at the runner behind the held batch")
+        finally:
+            (tmp_path / "gate").touch()
+        answers = [future.result(timeout=30) for future in [held, *futures]]
+    for value, answer in zip([-1.0, *range(sent)], answers, strict=True):
         assert answer.status_code == 200, answer.text
-        return np.array(answer.json()["outputs"][0]["data"], dtype=np.float32)
-
-    with bundled.client() as client:
-        before = histogram(client.get("/metrics").text, "batchserve_adaptive_batch_size",
-                           runner="mlp", method="__call__")
-    with ThreadPoolExecutor(64) as pool:
-        answers = list(pool.map(one, range(64)))
-    np.testing.assert_allclose(np.stack(answers), mlp_reference(rows), atol=1e-5)
-    with bundled.client() as client:
-        after = histogram(client.get("/metrics").text, "batchserve_adaptive_batch_size",
-                          runner="mlp", method="__call__")
-    batches = after["_count"] - before.get("_count", 0)
-    served = after["_sum"] - before.get("_sum", 0)
-    assert served == 64
-    assert batches < 64, "no batch of more than one request formed"
-    over_cap = (after["_bucket:+Inf"] - after["_bucket:64.0"]) - (
-        before.get("_bucket:+Inf", 0) - before.get("_bucket:64.0", 0))
-    assert over_cap == 0
+        assert answer.json()["outputs"][0]["data"] == [value] * 4
+    wait_for(lambda: sum(batch_sizes(logs)) == sent + 1, 30, "the batch log to hold every row")
+    sizes = batch_sizes(logs)
+    assert all(size <= cap for size in sizes), sizes  # none over the cap
+    assert max(sizes) == cap, sizes  # and batches of several requests, up to it
 
 
 def test_requests_reach_every_runner_process(serve: object) -> None:
