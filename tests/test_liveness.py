@@ -15,12 +15,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from batchserve.api.bench.loadgen import run_load
+from batchserve.api.bench.load_result import LoadResult
+from batchserve.api.bench.loadgen import Progress, run_load
 from batchserve.runner.core.types import Tensors
 from batchserve.runner.core.wire import FailureCode
 from batchserve.runner.dispatcher import Rejection
@@ -247,32 +249,52 @@ async def test_an_answer_that_cannot_be_sent_strands_no_other() -> None:
 STALL = """
 runners:
   stall:
-    model: fixture_models:stall_echo
+    model: fixture_models:gated_echo
     batching: {max_batch_size: 16, max_latency_ms: 1000}
     inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]
     outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]
 """
 
 
-def test_a_live_runner_rides_out_a_stall_and_a_burst_of_a_thousand(serve: object) -> None:
+def test_a_live_runner_rides_out_a_stall_and_a_burst_of_a_thousand(
+    serve: object, tmp_path: Path
+) -> None:
+    """A batch stalls in the model, held at its gate, while a burst of a thousand requests in
+    ten milliseconds comes; the gate opens once the whole burst has been sent."""
     server: Server = serve(STALL)  # type: ignore[operator]
     url = f"{server.url}/v2/models/stall/infer"
     headers = {"Content-Type": "application/json"}
+    held, gate = tmp_path / "held", tmp_path / "gate"
+    waiting_at_release: list[int] = []  # burst requests not yet answered when the gate opened
 
     def body(value: float) -> bytes:
         return json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
                                        "data": [value] * 4}]}).encode()
 
-    async def stall_then_traffic() -> Any:
-        stalled = asyncio.create_task(run_load(url, body(-1.0), headers, rate=1000, seconds=0.001))
-        await asyncio.sleep(0.01)  # the stalled batch is now in the model
-        burst = await run_load(url, body(1.0), headers, rate=100_000, seconds=0.01)
-        return await stalled, burst
+    def release_once_sent(progress: Progress) -> None:
+        if progress.fired == progress.scheduled and not gate.exists():
+            waiting_at_release.append(progress.scheduled - progress.answered)
+            gate.touch()
 
-    stalled, burst = asyncio.run(stall_then_traffic())
+    async def stall_then_burst() -> tuple[httpx.Response, LoadResult]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            stalled = asyncio.create_task(client.post(url, content=body(-1.0), headers=headers))
+            try:
+                await wait_until(lambda: held.exists() or stalled.done(),
+                                 "the stalling batch to be in the model", 30)
+                assert held.exists(), stalled.result()
+                burst = await run_load(url, body(1.0), headers, rate=100_000, seconds=0.01,
+                                       progress=release_once_sent)
+            finally:
+                gate.touch()
+            return await stalled, burst
+
+    stalled, burst = asyncio.run(stall_then_burst())
+    assert stalled.status_code == 200, stalled.text  # the stalled request: sent and answered
+    assert stalled.json()["outputs"][0]["data"] == [-1.0] * 4
+    assert waiting_at_release and waiting_at_release[0] > 0  # the burst met the stall
     assert burst.sent >= 900
     assert burst.answered == burst.sent, burst.error_fraction  # none lost, none timed out
-    assert stalled.answered == stalled.sent
     assert set(burst.error_fraction) <= {"503"}  # refused at once if anything, never hung
     assert burst.ok > 0
     with server.client() as client:  # serving normally right after
