@@ -10,13 +10,15 @@ import shutil
 import socket
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import pytest
 
 from batchserve.api.connection import Connection, Exchange
-from tests.conftest import ROOT, Server, start_server
+from tests.conftest import ROOT, Server, start_server, wait_for
+from tests.test_remote import metric
 
 ECHO = """
 api: {{workers: 1, max_body_bytes: {limit}}}
@@ -26,12 +28,22 @@ runners:
     batching: {{max_batch_size: 8, max_latency_ms: 2000}}
     inputs: [{{name: x, datatype: FP32, shape: [-1, 4]}}]
     outputs: [{{name: y, datatype: FP32, shape: [-1, 4]}}]
+  gated:
+    model: fixture_models:gated_echo
+    batching: {{max_batch_size: 8, max_latency_ms: 30000}}
+    inputs: [{{name: x, datatype: FP32, shape: [-1, 4]}}]
+    outputs: [{{name: y, datatype: FP32, shape: [-1, 4]}}]
 """
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    folder = tmp_path_factory.mktemp("connection")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the server runs; `gated_echo`'s `held` and `gate` files are made here."""
+    return tmp_path_factory.mktemp("connection")
+
+
+@pytest.fixture(scope="module")
+def server(folder: Path) -> Iterator[Server]:
     (folder / "configuration.yml").write_text(ECHO.format(limit=4096, model="slow_echo"))
     shutil.copy(ROOT / "tests" / "fixture_models.py", folder / "fixture_models.py")
     running = start_server(folder / "configuration.yml")
@@ -199,18 +211,59 @@ def test_bad_http_is_answered_400_and_the_worker_serves_on(connect: Connect) -> 
     assert wire.response()[0] == 200
 
 
-def test_a_client_that_leaves_mid_request_costs_nothing_else(
-    server: Server, connect: Connect
-) -> None:
-    wire = connect()
-    wire.send(request("/v2/models/echo/infer", body(3, 3, 3, 3)))
-    wire.socket.shutdown(socket.SHUT_RDWR)  # gone before the 300 ms batch answers
-    again = connect()
-    again.send(request("/v2/models/echo/infer", body(4, 4, 4, 4)))
-    assert again.response()[0] == 200
+TCP_CLOSE = 7  # a socket's state in TCP_INFO once both ends have closed (linux/tcp_states.h)
+
+
+def tcp_state(sock: socket.socket) -> int:
+    """The kernel's TCP state of a socket (the first byte of its TCP_INFO)."""
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+
+
+def gated_counts(server: Server) -> tuple[float, float]:
+    """Requests to `gated` answered 200 so far, and those sent to its runner and unanswered."""
     with server.client() as client:
         text = client.get("/metrics").text
-    assert 'batchserve_requests_total{code="200",runner="echo"}' in text
+    return (metric(text, "batchserve_requests_total", runner="gated", code="200"),
+            metric(text, "batchserve_inflight_requests", runner="gated"))
+
+
+def test_a_client_that_leaves_mid_request_costs_nothing_else(
+    server: Server, connect: Connect, folder: Path
+) -> None:
+    """A client shuts its socket with its request queued behind a batch held in the model,
+    among three other clients' requests: the worker closes its end while no answer can come
+    yet, and once the batch goes on, it runs and counts that request once, answers the others
+    theirs, keeps nothing in flight, logs nothing and serves on."""
+    infer = "/v2/models/gated/infer"
+    answered_before, _ = gated_counts(server)
+    logged_before = len(server.log)
+    others = [connect() for _ in range(3)]
+    leaving = connect()
+    try:
+        others[0].send(request(infer, body(-1, -1, -1, -1)))  # -1: held at the gate
+        wait_for((folder / "held").exists, 30, "the first request's batch to be in the model")
+        for i, wire in enumerate(others[1:], 1):
+            wire.send(request(infer, body(i, i, i, i)))
+        leaving.send(request(infer, body(3, 3, 3, 3)))
+        leaving.socket.shutdown(socket.SHUT_RDWR)  # gone with its request unanswered
+        # No answer can come while the gate is shut: the worker closes on the client leaving.
+        wait_for(lambda: tcp_state(leaving.socket) == TCP_CLOSE, 10,
+                 "the worker to close the connection its client left")
+    finally:
+        (folder / "gate").touch()
+    for i, wire in zip((-1, 1, 2), others, strict=True):  # the others get their own answers
+        status, _, content = wire.response()
+        assert status == 200 and json.loads(content)["outputs"][0]["data"] == [i, i, i, i]
+    # The left request ran, was answered into the void and counted once; none is in flight.
+    wait_for(lambda: gated_counts(server) == (answered_before + 4, 0), 10,
+             "all four requests counted, the left one included, and none in flight")
+    again = connect()
+    again.send(request(infer, body(4, 4, 4, 4)))
+    status, _, content = again.response()
+    assert status == 200 and json.loads(content)["outputs"][0]["data"] == [4, 4, 4, 4]
+    wait_for(lambda: gated_counts(server) == (answered_before + 5, 0), 10,
+             "the later request counted too")
+    assert server.log[logged_before:] == []  # no error, no warning
 
 
 class _Gone:
