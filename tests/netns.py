@@ -10,6 +10,7 @@ host's namespace for a while with `inside` (one thread at a time, by `setns`).
 
 A partition pulls a host's cable at the switch (its bridge port down): packets to and
 from it are dropped, and no connection is reset, as when a host or its network fails.
+`Lookups` counts the name lookups made in a host, by inotify on its hosts file.
 
 Needs root and iproute2; `unavailable()` says why not, for a skip. Everything made is
 removed by `Network.close` (namespaces, and with them their veths and bridge; the
@@ -23,12 +24,15 @@ import ctypes
 import os
 import shutil
 import signal
+import struct
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 CLONE_NEWNET = 0x40000000
+IN_CLOSE_WRITE, IN_CLOSE_NOWRITE, IN_OPEN = 0x08, 0x10, 0x20  # sys/inotify.h
+INOTIFY_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
 SUBNET = "10.77.0"
 NETNS_ETC = Path("/etc/netns")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -103,15 +107,20 @@ class Network:
         ip("-n", host.netns, "link", "set", "lo", "up")
         return host
 
+    @staticmethod
+    def hosts_path(host: Host) -> Path:
+        """The file `host`'s processes see as /etc/hosts, once `hosts_file` has written it."""
+        return NETNS_ETC / host.netns / "hosts"
+
     def hosts_file(self, host: Host, names: Mapping[str, Sequence[Host]]) -> None:
         """What `host`'s processes find in /etc/hosts: each name's addresses. Written in
         place, since `ip netns exec` bind-mounted this very file (a new one would go unseen
         by processes already running)."""
-        folder = NETNS_ETC / host.netns
-        folder.mkdir(parents=True, exist_ok=True)
+        path = self.hosts_path(host)
+        path.parent.mkdir(parents=True, exist_ok=True)
         lines = ["127.0.0.1 localhost"]
         lines += [f"{each.ip} {name}" for name, found in names.items() for each in found]
-        with (folder / "hosts").open("w") as file:
+        with path.open("w") as file:
             file.write("\n".join(lines) + "\n")
 
     def partition(self, host: Host) -> None:
@@ -141,6 +150,62 @@ class Network:
         self._made.clear()
         with contextlib.suppress(OSError):  # only if empty: it may hold others' folders
             NETNS_ETC.rmdir()
+
+
+class Lookups:
+    """The name lookups made in a host since its hosts file was last written, counted by
+    inotify (which sees the file through the bind mount) as reads of that file: the system
+    resolver (glibc's, `files` first in nsswitch.conf) opens, reads and closes it once a
+    lookup. Only `hosts_file` writes it.
+
+    A lookup counts once it has closed the file, if it opened it after the last write was
+    closed: it read the new content whole. Opens are watched too, which also keeps the
+    reports apart: inotify merges a report into an identical one not yet read, and a close
+    is always reported after an open."""
+
+    def __init__(self, path: Path) -> None:
+        self.count = 0
+        self._open = 0  # opened since the last write, not closed yet
+        self._fd = _libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self._fd < 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"inotify_init1: {os.strerror(errno)}")
+        mask = IN_OPEN | IN_CLOSE_NOWRITE | IN_CLOSE_WRITE
+        if _libc.inotify_add_watch(self._fd, os.fsencode(path), mask) < 0:
+            errno = ctypes.get_errno()
+            os.close(self._fd)
+            raise OSError(errno, f"inotify_add_watch {path}: {os.strerror(errno)}")
+
+    def __enter__(self) -> Lookups:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+
+    def poll(self) -> int:
+        """Take in what was reported so far; the lookups since the last write."""
+        while True:
+            try:
+                data = os.read(self._fd, 4096)
+            except BlockingIOError:
+                return self.count
+            for offset in _events(data):
+                _, mask, _, _ = INOTIFY_EVENT.unpack_from(data, offset)
+                if mask & IN_CLOSE_WRITE:
+                    self.count = self._open = 0
+                elif mask & IN_OPEN:
+                    self._open += 1
+                elif mask & IN_CLOSE_NOWRITE and self._open:
+                    self._open -= 1
+                    self.count += 1
+
+
+def _events(data: bytes) -> Iterator[int]:
+    """Where each inotify event starts in what one read returned."""
+    offset = 0
+    while offset < len(data):
+        yield offset
+        offset += INOTIFY_EVENT.size + INOTIFY_EVENT.unpack_from(data, offset)[3]
 
 
 def _setns(fd: int) -> None:

@@ -27,7 +27,7 @@ import pytest
 from batchserve.runner.core.handshake import Refused, greet
 from batchserve.runner.core.wire import FrameSocket
 from tests.conftest import ROOT, Server, start_server, wait_for
-from tests.netns import Host, Network, unavailable
+from tests.netns import Host, Lookups, Network, unavailable
 from tests.test_remote import TOKEN, Runner, make_certificates, metric, start_runner, stop_runner
 
 RESOLVE_S = 1.0
@@ -199,10 +199,16 @@ def test_a_runner_host_added_to_the_hosts_file_joins_within_the_refresh(
     joined = f"has 3 process(es): tcp:{cluster.hosts['r1'].ip}:{PORT}"
     assert cluster.front is not None
     front = cluster.front
-    cluster.publish("r1", "r2", "r3")
-    # One period, and a second for reading the file and logging: a bound, not a measure.
-    wait_for(lambda: any(joined in line for line in front.log), RESOLVE_S + 1,
-             "the front to find r3 in the hosts file")
+    with Lookups(cluster.net.hosts_path(cluster.api)) as lookups:
+        cluster.publish("r1", "r2", "r3")
+        wait_for(lambda: any(joined in line for line in front.log), 30,
+                 "the front to find r3 in the hosts file")
+        # Counted as soon as r3 shows: the lookup that found it, and no later one, which
+        # would come a refresh later. More would mean r3 was missed at the first refresh.
+        found = lookups.poll()
+        assert found <= 1, f"r3 joined after {found} lookups of the new hosts file"
+        # And the count is not blind: the front's next lookup, at the next refresh, shows.
+        wait_for(lambda: lookups.poll() > found, 30, "the front's next lookup of the name")
     wait_for(lambda: cluster.connected() == 3, 10, "the front to connect to r3")
     before = cluster.served("r3")
     with ThreadPoolExecutor(4) as pool:
