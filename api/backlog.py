@@ -17,20 +17,35 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..runner.core.wire import Backlog
+
 __all__ = ["Published"]
 
 
 @dataclass(slots=True)
 class Published:
-    """A runner process's last published wait and the rows it held, and when they were heard
-    (monotonic seconds)."""
+    """A runner process's last published word (`wire.Backlog`) and when it was heard
+    (monotonic seconds), with the rows refused here since."""
 
     wait_s: float = 0.0
     rows_ahead: int = 0
+    drain_s: float = 0.0
+    row_s: float = 0.0
+    request_rows: float = 1.0
     heard: float = -math.inf
+    refused_rows: float = 0.0
 
-    def hear(self, wait_s: float, rows_ahead: int, now: float) -> None:
-        self.wait_s, self.rows_ahead, self.heard = wait_s, rows_ahead, now
+    def hear(self, word: Backlog, now: float) -> None:
+        self.wait_s, self.rows_ahead, self.heard = word.wait_s, word.rows_ahead, now
+        self.drain_s, self.row_s, self.refused_rows = word.drain_s, word.row_s, 0.0
+        self.request_rows = word.request_rows
+
+    def refuse(self, rows: float) -> float:
+        """Count `rows` refused here (for a request refused on its headers, the rows a
+        request holds lately, `request_rows`); the time the backlog they join needs, as the runner
+        would tell a client it refused (its Retry-After, before rounding)."""
+        self.refused_rows += rows
+        return self.drain_s + self.row_s * self.refused_rows
 
     def left_s(self, now: float) -> float:
         """What is left of the published wait at `now` (0 once it has drained)."""

@@ -177,7 +177,7 @@ class Link(asyncio.BufferedProtocol):
                     self.started.update(c for c in message.calls if c in self.pending)
                     continue
                 if isinstance(message, Backlog):
-                    self.backlog.hear(message.wait_s, message.rows_ahead, self.heard)
+                    self.backlog.hear(message, self.heard)
                     continue
                 waiting = self.pending.pop(message.id, None)
                 if waiting is None:

@@ -384,7 +384,8 @@ class Exchange:
         if backlog is None or not backlog.refuses(budget_s, now):
             return
         left_s = backlog.left_s(now)
-        raise BacklogRefused(self.name, retry_after_s(left_s), {
+        rows = self.call.rows if self.call is not None else backlog.request_rows
+        raise BacklogRefused(self.name, retry_after_s(backlog.refuse(rows)), {
             "predicted_ms": round(left_s * 1000, 1), "deadline_ms": round(budget_s * 1000, 1),
             "rows_ahead": backlog.rows_ahead})
 

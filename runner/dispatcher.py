@@ -197,8 +197,12 @@ class Dispatcher:
         metrics: RunnerMetrics,
         clock: Callable[[], float] = time.monotonic,
         cpu_clock: Callable[[], float] = time.thread_time,
+        launched: Callable[[], None] = lambda: None,
     ) -> None:
+        """`launched` is told whenever a batch goes to the model (the runner publishes its
+        backlog then)."""
         self.runner = runner
+        self.launched = launched
         self.model = model
         self.policy = policy
         self.metrics = metrics
@@ -563,6 +567,7 @@ class Dispatcher:
         self._hold_until = self.clock() + min(predicted_s, Timeouts.HOLD_MAX_S)
         self._overdue = False
         self._limit_hold()  # connections held while the policy waited stay held
+        self.launched()
         jobs = [self._jobs[request.id] for request in batch.requests]
         for job in jobs:
             if job.started is not None:

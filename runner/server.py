@@ -82,7 +82,8 @@ class Connection(asyncio.BufferedProtocol):
         self.heard = time.monotonic()
         self._overdue: asyncio.TimerHandle | None = None
         self._starting: list[int] = []
-        self._answered = False  # answers were put since the last write: publish the backlog
+        self._publish = False  # publish the backlog with the next write
+        self.calls = False  # it has sent calls: an API worker, which the backlog is for
         self.local = True  # the API worker runs on this machine: its CPU and clock are ours
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -150,6 +151,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.greeting is not None:
             self._admit(message)
         elif isinstance(message, Call):
+            self.calls = True
             try:
                 self.signature.check(message.tensors, message.rows)
             except SignatureError as exc:
@@ -208,23 +210,33 @@ class Connection(asyncio.BufferedProtocol):
         if self.outbox is not None:
             self.outbox.wake()
 
+    def publish(self) -> None:
+        """Send the backlog at the end of this turn: a batch started, so arrivals now wait
+        for it, and the API worker should know before it sends what this runner would
+        refuse (what it sends is read only once the batch ends)."""
+        if self.outbox is not None and self.calls:
+            self._publish = True
+            self.outbox.wake()
+
     def _last_words(self) -> list[Started | Backlog]:
-        """What goes last in each write: the calls whose batch started, and with answers, the
-        backlog they leave (`Dispatcher.admission`), so the API worker refuses in place."""
+        """What goes last in each write: the calls whose batch started, and with answers or
+        a batch's start, the backlog (`Dispatcher.admission`), so the API worker refuses in
+        place."""
         words: list[Started | Backlog] = []
         if self._starting:
             words.append(Started(tuple(self._starting)))
             self._starting = []
-        if self._answered:
-            self._answered = False
+        if self._publish:
+            self._publish = False
             admission = self.dispatcher.admission()
-            words.append(Backlog(admission.wait_s, admission.rows_ahead))
+            words.append(Backlog(admission.wait_s, admission.rows_ahead, admission.drain_s,
+                                 admission.row_s, admission.request_rows))
         return words
 
     def _send(self, message: Result | Failure | Started | Pong | Welcome) -> None:
         if self.transport is not None and self.outbox is not None:
             if isinstance(message, Result | Failure):
-                self._answered = True
+                self._publish = True
             self.outbox.put(message)
 
 
@@ -265,12 +277,13 @@ async def serve(config: Config, runner: RunnerConfig, address: Address,
     metrics = RunnerMetrics(runner.name, runner.batching.max_latency_ms / 1000,
                             runner.max_cost, runner.workers)
     model = models.load(config, runner)
-    dispatcher = Dispatcher(runner, model, build_policy(runner), metrics)
+    live: set[Connection] = set()
+    dispatcher = Dispatcher(runner, model, build_policy(runner), metrics,
+                            launched=lambda: _publish(live))
     await dispatcher.start()
     if address.scheme == "unix":
         with contextlib.suppress(FileNotFoundError):
             os.unlink(address.target)
-    live: set[Connection] = set()
     timeouts = config.timeouts
     signature = Signature(runner)
     # What start-up built (the model, its libraries) lives as long as the process: the
@@ -305,6 +318,11 @@ async def serve(config: Config, runner: RunnerConfig, address: Address,
         await status[1]
     metrics.close()
     return dispatcher.busy
+
+
+def _publish(live: set[Connection]) -> None:
+    for connection in live:
+        connection.publish()
 
 
 def _bound(server: asyncio.Server, address: Address) -> Address:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchserve.api.backlog import Published
+from batchserve.runner.core.wire import Backlog
 from batchserve.runner.policy.adaptive import AdaptivePolicy
 from batchserve.runner.policy.base import Request
 from batchserve.runner.policy.latency_model import Timing
@@ -13,13 +14,13 @@ from batchserve.runner.policy.latency_model import Timing
 def test_a_published_wait_ages_as_the_clock_runs() -> None:
     backlog = Published()
     assert not backlog.refuses(0.0001, now=5.0)  # nothing heard yet: nothing refused here
-    backlog.hear(0.080, 12, now=10.0)
+    backlog.hear(Backlog(0.080, 12), now=10.0)
     assert backlog.left_s(10.0) == pytest.approx(0.080)
     assert backlog.refuses(0.050, now=10.0)
     assert backlog.refuses(0.050, now=10.020)  # 60 ms left
     assert not backlog.refuses(0.050, now=10.040)  # 40 ms left: the runner judges it
     assert backlog.left_s(11.0) == 0.0
-    backlog.hear(0.0, 0, now=12.0)  # a runner that refuses nothing on arrival
+    backlog.hear(Backlog(0.0, 0), now=12.0)  # a runner that refuses nothing on arrival
     assert not backlog.refuses(0.0, now=12.0)
 
 
@@ -48,7 +49,8 @@ def test_what_the_published_wait_refuses_the_policy_refuses_too(queued: int) -> 
     admission = policy.admission(now)
     assert admission.rows_ahead == policy.stats(now).queued + 1  # one row runs
     backlog = Published()
-    backlog.hear(admission.wait_s, admission.rows_ahead, now)
+    backlog.hear(Backlog(admission.wait_s, admission.rows_ahead, admission.drain_s,
+                         admission.row_s), now)
     later = now + 0.003  # heard 3 ms ago: the API worker's clock ran on
     for budget_s in (0.5 * admission.wait_s, 0.9 * admission.wait_s - 0.003):
         if budget_s <= 0.0:
@@ -66,3 +68,22 @@ def test_an_idle_runner_and_one_that_refuses_the_oldest_publish_nothing_to_refus
     oldest = fitted_policy("oldest")
     busy_with(oldest, 200, 1.0)
     assert oldest.admission(1.0).wait_s == 0.0
+
+
+def test_each_row_refused_in_place_adds_to_the_retry_after_as_the_runner_counts_it() -> None:
+    now = 1.0
+    policy = fitted_policy()
+    busy_with(policy, 120, now)
+    admission = policy.admission(now)
+    # The rows ahead, and those refused on the way here, which their clients bring back.
+    assert policy.refused > 0
+    assert admission.drain_s > policy.drain_s(admission.rows_ahead)
+    backlog = Published()
+    backlog.hear(Backlog(admission.wait_s, admission.rows_ahead, admission.drain_s,
+                         admission.row_s), now)
+    first = backlog.refuse(4)
+    assert first == pytest.approx(admission.drain_s + 4 * admission.row_s)
+    assert backlog.refuse(4) > first  # the refused work comes back: a later retry
+    backlog.hear(Backlog(admission.wait_s, admission.rows_ahead, admission.drain_s,
+                         admission.row_s), now + 0.01)
+    assert backlog.refuse(4) == pytest.approx(first)  # the runner's next word counts anew

@@ -15,7 +15,8 @@ names a unix socket or a TCP endpoint (optionally under TLS) on another host.
     Failure := u8 code | f64 retry_after_s | f64 predicted_s | f64 deadline_s
                | u32 rows_ahead | utf-8 text                       (runner -> API)
     Started := u32 count | u64 call_ids[count]                      (runner -> API; id 0)
-    Backlog := f64 wait_s | u32 rows_ahead                          (runner -> API; id 0)
+    Backlog := f64 wait_s | f64 drain_s | f64 row_s | f64 request_rows | u32 rows_ahead
+                                                                    (runner -> API; id 0)
     Ping, Pong := (empty)
     Hello   := u16 version | u32 max_batch_size | u8 name_len | name | nonce[32]
                | u8 proof_len | proof                  (both ways, first; id 0)
@@ -57,7 +58,7 @@ _GROUP_VALUE = struct.Struct("<H")
 _COUNT = struct.Struct("<H")
 _FAILURE = struct.Struct("<BdddI")
 _STARTED = struct.Struct("<I")
-_BACKLOG = struct.Struct("<dI")
+_BACKLOG = struct.Struct("<ddddI")
 _SIZE = struct.Struct("<Q")
 _ELEMENT = struct.Struct("<I")
 _HELLO = struct.Struct("<HI")
@@ -168,10 +169,15 @@ class Backlog:
     runner would refuse: `wait_s`, how long a one-row request arriving now is predicted to
     take (at the high quantile the runner admits on), or 0 when the runner refuses nothing
     on arrival, and the rows it would find ahead. It ages by the time since it was heard:
-    the backlog drains."""
+    the backlog drains. A refusal's Retry-After covers `drain_s`, the time the rows ahead
+    and those the runner refused lately need, and `row_s` for each row refused since; a
+    request refused before its rows are known counts `request_rows`, a request's lately."""
 
     wait_s: float
     rows_ahead: int = 0
+    drain_s: float = 0.0
+    row_s: float = 0.0
+    request_rows: float = 1.0
     id: int = 0
 
 
@@ -304,8 +310,9 @@ def _plain_head(message: Message) -> bytes:
         return _HEAD.pack(Kind.STARTED, message.id) + struct.pack(
             f"<I{len(calls)}Q", len(calls), *calls)
     if isinstance(message, Backlog):
-        return _HEAD.pack(Kind.BACKLOG, message.id) + _BACKLOG.pack(message.wait_s,
-                                                                  message.rows_ahead)
+        return _HEAD.pack(Kind.BACKLOG, message.id) + _BACKLOG.pack(
+            message.wait_s, message.drain_s, message.row_s, message.request_rows,
+            message.rows_ahead)
     if isinstance(message, Hello):
         return _HEAD.pack(Kind.HELLO, message.id) + _hello_bytes(message)
     if isinstance(message, Welcome):
@@ -465,8 +472,8 @@ def decode(body: bytearray) -> Message:
             calls = struct.unpack_from(f"<{count}Q", body, offset + _STARTED.size)
             return Started(calls, ident)
         if kind == Kind.BACKLOG:
-            wait, ahead = _BACKLOG.unpack_from(body, offset)
-            return Backlog(wait, ahead, ident)
+            wait, drain, row, request_rows, ahead = _BACKLOG.unpack_from(body, offset)
+            return Backlog(wait, ahead, drain, row, request_rows, ident)
         if kind == Kind.PING:
             return Ping(ident)
         if kind == Kind.PONG:

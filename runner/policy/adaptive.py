@@ -250,8 +250,13 @@ class AdaptivePolicy:
         if waiting.rows < self.limits.max_batch_size and len(waiting.group_rows) <= 1:
             # The next batch may stretch past the cap to take it (`_stretch_next`).
             finish = min(finish, self._stretched_finish(waiting.rows + 1, now, math.inf))
-        running = busy.batch.rows if busy.batch is not None else 0
-        return Admission(finish - now, waiting.rows + running)
+        ahead = waiting.rows + (busy.batch.rows if busy.batch is not None else 0)
+        rates = self._rates
+        backlog = rates.refused.rate(now) * rates.refused.tau_s
+        requests = rates.requests.rate(now)
+        request_rows = rates.rows.rate(now) / requests if requests > 0.0 else 1.0
+        return Admission(finish - now, ahead, self.drain_s(ahead + backlog), self.drain_s(1),
+                         request_rows)
 
     def drain_s(self, rows: float) -> float:
         """How long the model takes to serve `rows` at full speed: batches at the cap, back to

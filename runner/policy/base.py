@@ -92,10 +92,15 @@ class Refusal:
 class Admission:
     """What a one-row request offered now would be judged on: how long it is predicted to
     take (at the high quantile, as `offer` admits on; 0 where `offer` refuses nothing) and
-    the rows ahead of it, queued and running."""
+    the rows ahead of it, queued and running; and what a refusal's Retry-After would cover:
+    the time the rows ahead and the refused backlog need (`drain_s`) and each further
+    refused row (`row_s`), and the rows a request holds lately (`request_rows`)."""
 
     wait_s: float = 0.0
     rows_ahead: int = 0
+    drain_s: float = 0.0
+    row_s: float = 0.0
+    request_rows: float = 1.0
 
 
 NO_ADMISSION = Admission()
