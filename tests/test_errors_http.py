@@ -4,7 +4,9 @@ allows; an SLO that the queue ahead makes unreachable for now gets 503."""
 from __future__ import annotations
 
 import re
+import socket
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -132,6 +134,49 @@ def test_an_overloaded_runner_answers_queue_with_a_retry_after_that_grows_with_i
     assert {answer.json()["reason"] for answer in refused} <= {"queue", "backlog"}
     retries = sorted(int(answer.headers["retry-after"]) for answer in refused)
     assert retries[0] < retries[-1], retries
+
+
+def headers_then_body(url: str, body: bytes) -> tuple[bytes, bool]:
+    """POST `body` to the slow runner, sending the headers alone first: the answer, and
+    whether it came before the body was sent."""
+    address = urlsplit(url)
+    with socket.create_connection((address.hostname, address.port), timeout=5) as sock:
+        sock.sendall(b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        sock.settimeout(0.1)
+        try:
+            answer = sock.recv(65536)
+        except TimeoutError:
+            answer = b""
+        if answer:
+            return answer, True
+        sock.settimeout(5)
+        sock.sendall(body)
+        return sock.recv(65536), False
+
+
+def test_what_the_published_backlog_refuses_is_answered_on_its_headers(
+    serve: object,
+) -> None:
+    """Behind a 300 ms batch a request cannot meet a 500 ms limit: the runner said so as the
+    batch started, so the API worker refuses it on its headers, before its body comes."""
+    server: Server = serve(SLOW.format(latency_ms=500), "--api-workers", "1")  # type: ignore[operator]
+    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
+                                     "data": [1, 2, 3, 4]}]})
+    with ThreadPoolExecutor(1) as pool, server.client() as client:
+        running = pool.submit(client.post, "/v2/models/slow/infer", content=body)
+        answers = []
+        while not running.done() and len(answers) < 20:
+            answers.append(headers_then_body(server.url, body))
+        assert running.result().status_code == 200
+    early = [answer for answer, before_body in answers if before_body]
+    assert early, answers
+    for answer in early:
+        head, _, content = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), answer
+        assert b"retry-after: " in head.lower()
+        assert orjson.loads(content)["reason"] == "backlog"
 
 
 def test_rows_the_model_cannot_run_within_the_limit_even_idle_are_413_at_once(
