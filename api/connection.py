@@ -17,6 +17,7 @@ its answer is written.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from email.utils import formatdate
@@ -52,8 +53,12 @@ def missing_internals() -> list[str]:
     config = Config(app=_no_app, http="httptools", lifespan="off")
     config.load()
     state = ServerState()
-    protocol = HttpToolsProtocol(config, state, {})
-    protocol.on_message_begin()  # sets the per-request attributes
+    loop = asyncio.new_event_loop()  # the protocol takes one; none need be running
+    try:
+        protocol = HttpToolsProtocol(config, state, {}, _loop=loop)
+        protocol.on_message_begin()  # sets the per-request attributes
+    finally:
+        loop.close()
     missing += [f"HttpToolsProtocol.{name}" for name in STATE if not hasattr(protocol, name)]
     missing += [f"ServerState.{name}" for name in ("default_headers",)
                 if not hasattr(state, name)]
