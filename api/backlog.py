@@ -15,7 +15,7 @@ refused here would be refused there too; the rest the runner judges itself.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..runner.core.wire import Backlog
 
@@ -24,33 +24,27 @@ __all__ = ["Published"]
 
 @dataclass(slots=True)
 class Published:
-    """A runner process's last published word (`wire.Backlog`) and when it was heard
-    (monotonic seconds), with the rows refused here since."""
+    """A runner process's last published word and when it was heard (monotonic seconds),
+    with the rows refused here since."""
 
-    wait_s: float = 0.0
-    rows_ahead: int = 0
-    drain_s: float = 0.0
-    row_s: float = 0.0
-    request_rows: float = 1.0
+    word: Backlog = field(default_factory=lambda: Backlog(0.0))
     heard: float = -math.inf
     refused_rows: float = 0.0
 
     def hear(self, word: Backlog, now: float) -> None:
-        self.wait_s, self.rows_ahead, self.heard = word.wait_s, word.rows_ahead, now
-        self.drain_s, self.row_s, self.refused_rows = word.drain_s, word.row_s, 0.0
-        self.request_rows = word.request_rows
+        self.word, self.heard, self.refused_rows = word, now, 0.0
 
     def refuse(self, rows: float) -> float:
         """Count `rows` refused here (for a request refused on its headers, the rows a
-        request holds lately, `request_rows`); the time the backlog they join needs, as the runner
-        would tell a client it refused (its Retry-After, before rounding)."""
+        request holds lately, `request_rows`); the time the backlog they join needs, as the
+        runner would tell a client it refused (its Retry-After, before rounding)."""
         self.refused_rows += rows
-        return self.drain_s + self.row_s * self.refused_rows
+        return self.word.drain_s + self.word.row_s * self.refused_rows
 
     def left_s(self, now: float) -> float:
         """What is left of the published wait at `now` (0 once it has drained)."""
-        return max(0.0, self.wait_s - (now - self.heard))
+        return max(0.0, self.word.wait_s - (now - self.heard))
 
     def refuses(self, budget_s: float, now: float) -> bool:
         """Whether a request with `budget_s` left would be refused by the process now."""
-        return self.wait_s > 0.0 and self.left_s(now) > budget_s
+        return self.word.wait_s > 0.0 and self.left_s(now) > budget_s

@@ -498,11 +498,10 @@ class Pool:
         call that had started is never run twice). A runner silent for `wait_s` past the
         budget is given up on: only a process that hangs as a whole gets that far. `spent_s`
         is what the request cost before (its decoding), which the runner counts against the
-        limit when it judges whether the request could ever fit. `link` is the process picked
-        for it already (on its headers), if any."""
-        if link is None or not link.connected:
-            link = self.pick()
-        _Sent(self, tensors, rows, budget_s, group, wait_s, done, spent_s).go(link)
+        limit when it judges whether the request could ever fit. `link` is the process the
+        caller picked for it (and judged its backlog by), if any."""
+        _Sent(self, tensors, rows, budget_s, group, wait_s, done, spent_s).go(
+            self.pick() if link is None else link)
 
     async def infer(
         self, tensors: Tensors, rows: int, budget_s: float, group: tuple[str, ...] = (),

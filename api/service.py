@@ -384,10 +384,10 @@ class Exchange:
         if backlog is None or not backlog.refuses(budget_s, now):
             return
         left_s = backlog.left_s(now)
-        rows = self.call.rows if self.call is not None else backlog.request_rows
+        rows = self.call.rows if self.call is not None else backlog.word.request_rows
         raise BacklogRefused(self.name, retry_after_s(backlog.refuse(rows)), {
             "predicted_ms": round(left_s * 1000, 1), "deadline_ms": round(budget_s * 1000, 1),
-            "rows_ahead": backlog.rows_ahead})
+            "rows_ahead": backlog.word.rows_ahead})
 
     def _judge_decoding(self, call: protocol.InferRequest, size: int, spent_s: float,
                         rate: admission.DecodeRate | None) -> None:

@@ -449,27 +449,30 @@ class Dispatcher:
         self._overdue = True
         self._release_held()
 
-    def _release_held(self) -> list[Reader]:
-        """Let every held connection read again; the ones that were held."""
+    def _release_held(self) -> None:
+        """Let every held connection read again."""
         if self._hold_limit is not None:
             self._hold_limit.cancel()
             self._hold_limit = None
         held, self._held = self._held, []
         for reader in held:
             reader.resume()
-        return held
+
+    def _after_reads(self, callback: Callable[..., None], *args: Any) -> None:
+        """Run `callback` once the held connections have read what came meanwhile (their
+        reads land in the loop's next turn, before the turn after); at once if none is held."""
+        if not self._held or self._loop is None:
+            callback(*args)
+            return
+        self._release_held()
+        self._loop.call_soon(self._loop.call_soon, callback, *args)
 
     def _finished(self, batch: Batch, done: Future[_Outcome]) -> None:
-        """The model is back. Connections held meanwhile read first (their reads land in the
-        loop's next turn, before the turn after), so what came while the batch ran is offered
-        as it would have been on arrival, the batch still running, and the next batch is
-        chosen from all of it."""
-        if not self._held or self._loop is None:
-            self._completed(batch, done)
-            return
+        """The model is back. Connections held meanwhile read first, so what came while the
+        batch ran is offered as it would have been on arrival, the batch still running, and
+        the next batch is chosen from all of it."""
         self._overdue = True  # what comes now is read at once
-        self._release_held()
-        self._loop.call_soon(self._loop.call_soon, self._completed, batch, done)
+        self._after_reads(self._completed, batch, done)
 
     def admission(self) -> Admission:
         """What a one-row request offered now would be judged on (`Policy.admission`)."""
@@ -554,11 +557,7 @@ class Dispatcher:
         """The wake-up the policy asked for: connections held until it read first."""
         self._timer.handle = None
         self._timer.at = float("inf")
-        if self._held and self._loop is not None:
-            self._release_held()
-            self._loop.call_soon(self._loop.call_soon, self._pump)
-            return
-        self._pump()
+        self._after_reads(self._pump)
 
     def _launch(self, batch: Batch) -> None:
         assert self._loop is not None, "start() runs before any request"
