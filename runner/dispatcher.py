@@ -654,7 +654,8 @@ class Dispatcher:
         return dict(ragged.join(self.runner, parts))
 
     def _completed(self, batch: Batch, done: Future[_Outcome]) -> None:
-        """Answer the batch's requests, then poll again, whatever answering raised."""
+        """Answer the batch's requests, then poll again, whatever answering raised; the
+        batch is counted after the answers are written (`_account`), not before."""
         self._busy = False
         if self._watchdog is not None:
             self._watchdog.cancel()
@@ -664,9 +665,6 @@ class Dispatcher:
                 return
             outcome = done.result()
             self.policy.complete(batch, outcome.started, outcome.finished, outcome.cpu_s)
-            self.metrics.batch(
-                batch, outcome.started, outcome.finished, outcome.cpu_s, outcome.rows
-            )
             for request, piece in zip(batch.requests, outcome.pieces, strict=True):
                 if isinstance(piece, str):
                     self._answer(request.id, Rejection(
@@ -675,7 +673,16 @@ class Dispatcher:
                     self._answer(request.id, piece)
         finally:
             self._pump()
+        if not done.cancelled() and self._loop is not None:
+            # The answers' writes were queued for this turn's end; this goes after them.
+            self._loop.call_soon(self._account, batch, done.result())
+
+    def _account(self, batch: Batch, outcome: _Outcome) -> None:
+        """Count a batch whose answers are out, republish the gauges, maybe refit."""
+        self.metrics.batch(batch, outcome.started, outcome.finished, outcome.cpu_s, outcome.rows)
         self.metrics.publish(self.policy.stats(self.clock()))
+        if not self._busy and not self._jobs:
+            self.metrics.flush()  # a scrape after the last answer counts all of it
         self._maybe_refit()
 
     def _answer(self, ident: int, result: Tensors | Rejection) -> None:

@@ -59,10 +59,11 @@ class Batch:
     requests: tuple[Request, ...]
     reason: Reason
     predicted_s: float = field(default=0.0, compare=False)
+    rows: int = field(init=False, compare=False)
+    """Its requests' rows, summed once: every arrival while it runs is judged on them."""
 
-    @property
-    def rows(self) -> int:
-        return sum(request.rows for request in self.requests)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", sum(request.rows for request in self.requests))
 
 
 @dataclass(frozen=True, slots=True)
