@@ -197,7 +197,7 @@ def _routes(service: Service, config: Config) -> list[Route]:
         return service.runner(request.path_params["name"], request.path_params.get("version"))
 
     async def live(request: Request) -> Response:
-        return _json(b"{}")
+        return _json(b'{"live":true}')
 
     async def ready(request: Request) -> Response:
         up = not service.stopping and all(pool.ready for pool in service.pools.values())
