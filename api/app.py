@@ -200,7 +200,7 @@ def _routes(service: Service, config: Config) -> list[Route]:
         return _json(b'{"live":true}')
 
     async def ready(request: Request) -> Response:
-        up = not service.stopping and all(pool.ready for pool in service.pools.values())
+        up = service.ready
         return _json(b'{"ready":true}' if up else b'{"ready":false}', 200 if up else 503)
 
     async def server_metadata(request: Request) -> Response:
@@ -210,7 +210,7 @@ def _routes(service: Service, config: Config) -> list[Route]:
         return _json(protocol.model_metadata(runner_of(request)))
 
     async def model_ready(request: Request) -> Response:
-        up = not service.stopping and service.pools[runner_of(request).name].ready
+        up = service.model_ready(runner_of(request).name)
         return _json(b'{"ready":true}' if up else b'{"ready":false}', 200 if up else 503)
 
     async def model_config(request: Request) -> Response:
