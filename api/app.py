@@ -197,10 +197,10 @@ def _routes(service: Service, config: Config) -> list[Route]:
         return service.runner(request.path_params["name"], request.path_params.get("version"))
 
     async def live(request: Request) -> Response:
-        return _json(b"{}")
+        return _json(b'{"live":true}')
 
     async def ready(request: Request) -> Response:
-        up = not service.stopping and all(pool.ready for pool in service.pools.values())
+        up = service.ready
         return _json(b'{"ready":true}' if up else b'{"ready":false}', 200 if up else 503)
 
     async def server_metadata(request: Request) -> Response:
@@ -210,7 +210,7 @@ def _routes(service: Service, config: Config) -> list[Route]:
         return _json(protocol.model_metadata(runner_of(request)))
 
     async def model_ready(request: Request) -> Response:
-        up = not service.stopping and service.pools[runner_of(request).name].ready
+        up = service.model_ready(runner_of(request).name)
         return _json(b'{"ready":true}' if up else b'{"ready":false}', 200 if up else 503)
 
     async def model_config(request: Request) -> Response:

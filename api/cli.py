@@ -60,6 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
         args.config,
         host=args.host or api.host,
         port=api.port if args.port is None else args.port,
+        grpc_port=api.grpc_port if args.grpc_port is None else args.grpc_port,
         api_workers=args.api_workers or api.workers,
         keys=keys,
     ).run()
@@ -95,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, default=Path("configuration.yml"))
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
+    serve.add_argument("--grpc-port", type=int,
+                       help="the v2 protocol over gRPC on this port (default api.grpc_port, "
+                            "8001); 0 turns it off")
     serve.add_argument("--api-workers", type=int)
     serve.add_argument("--api-only", action="store_true",
                        help="start only API workers, connecting to each runner's configured "

@@ -132,8 +132,9 @@ def _model(name: str, runner: RunnerConfig) -> dict[str, Any]:
 def document(config: Config) -> dict[str, Any]:
     """The OpenAPI 3.0 document for a server of `config`."""
     ready = {"type": "object", "properties": {"ready": {"type": "boolean"}}}
+    live = {"type": "object", "properties": {"live": {"type": "boolean"}}}
     paths: dict[str, Any] = {
-        "/v2/health/live": _get("Whether the API worker runs", {"type": "object"}),
+        "/v2/health/live": _get("Whether the API worker runs", live),
         "/v2/health/ready": _get("Whether every runner has a process connected", ready, 503),
         "/v2": _get("Server metadata", {"type": "object"}),
         "/v2/models/stats": _get("Every model's inference statistics", _STATS),

@@ -56,9 +56,12 @@ __all__ = [
     "cost",
     "decode_infer",
     "encode_infer",
+    "group_of",
     "model_metadata",
     "parse_header_length",
     "server_metadata",
+    "signature_of",
+    "timeout_of",
 ]
 
 JSON_TYPE: Final = "application/json"
@@ -176,6 +179,12 @@ def _signature(runner: RunnerConfig) -> _Signature:
     return signature
 
 
+def signature_of(runner: RunnerConfig) -> _Signature:
+    """The runner's inputs' signature, its outputs and requested outputs, prepared once: for
+    the gRPC door, which reads the same requests from protocol buffers."""
+    return _signature(runner)
+
+
 # --- small readers of JSON values ---------------------------------------------------------------
 
 
@@ -217,7 +226,7 @@ def _request_id(value: Any) -> str | None:
     return value
 
 
-def _timeout(params: Mapping[str, Any]) -> float | None:
+def timeout_of(params: Mapping[str, Any]) -> float | None:
     """`parameters.timeout` is in microseconds, and 0 means none (Triton's convention)."""
     value = params.get("timeout")
     if value is None:
@@ -361,9 +370,9 @@ def _decode_infer(
         id=_request_id(document.get("id")),
         inputs=inputs,
         outputs=_decode_outputs(document.get("outputs"), binary_default, signature, runner),
-        timeout_s=_timeout(params),
+        timeout_s=timeout_of(params),
         rows=signature.inputs.rows(inputs),
-        group=_group(params, runner),
+        group=group_of(params, runner),
     )
 
 
@@ -373,7 +382,7 @@ def cost(request: InferRequest, runner: RunnerConfig) -> int:
     return _signature(runner).inputs.cost(request.inputs, request.rows)
 
 
-def _group(params: Mapping[str, Any], runner: RunnerConfig) -> tuple[str, ...]:
+def group_of(params: Mapping[str, Any], runner: RunnerConfig) -> tuple[str, ...]:
     """The request's values of the runner's `group_by` parameters: only requests whose values
     are all equal share a batch."""
     values = []

@@ -8,6 +8,11 @@ request costs no task, no timer and no event-loop turn of its own. Whoever carri
 exchange (`batchserve.api.connection` in a worker, the ASGI app in-process) hands the body in
 and gets the answer through `Respond`.
 
+HTTP and gRPC are two doors into this one exchange: `Exchange` reads a v2 JSON or binary body
+and writes its answer; the gRPC door (`batchserve.api.grpc.door`) subclasses it to read a
+`ModelInferRequest` and write a `ModelInferResponse`, and everything between (admission,
+shedding, the backlog, deadlines, dispatch, splitting, errors, metrics) is the same code.
+
 Errors of every kind leave through `error_response`. Every answer is counted once in
 `batchserve_requests_total` by status, and every 503 once more in
 `batchserve_unavailable_total` by its reason (see `batchserve.api.errors`).
@@ -25,6 +30,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -60,18 +66,23 @@ VERSION = "1"
 
 Respond = Callable[[int, bytes, Mapping[str, str]], None]
 """Writes one answer: status, body, headers. Called exactly once per request."""
+ExchangeT = TypeVar("ExchangeT", bound="Exchange")
+
+PROTOCOLS = ("http", "grpc")
+"""The doors a request comes through: the `protocol` label of the request metrics."""
 
 request_duration = Histogram(
     "batchserve_request_duration_seconds", "Inference requests from arrival to answer",
-    ["runner", "code"], buckets=SECONDS_BUCKETS,
+    ["runner", "code", "protocol"], buckets=SECONDS_BUCKETS,
 )
 requests_total = Counter(
-    "batchserve_requests_total", "Inference requests answered", ["runner", "code"]
+    "batchserve_requests_total", "Inference requests answered", ["runner", "code", "protocol"]
 )
 UNAVAILABLE_REASONS = ("queue", "backlog", "front", "draining", "expired", "unreachable",
                        "late")
 unavailable_total = Counter(
-    "batchserve_unavailable_total", "Inference requests answered 503, by why", ["runner", "reason"]
+    "batchserve_unavailable_total", "Inference requests answered 503, by why",
+    ["runner", "reason", "protocol"],
 )
 inflight_requests = Gauge(
     "batchserve_inflight_requests", "Requests an API worker has sent to a runner, unanswered",
@@ -172,12 +183,14 @@ class Service:
         self.decode_rates = {name: admission.DecodeRate() for name in config.runners}
         self.gates = {name: Gate() for name in config.runners}
         # Answers are tallied here and written to the metrics in bulk (`flush`).
-        self._answers: dict[tuple[str, int], Tally] = {}
+        self._answers: dict[tuple[str, int, str], Tally] = {}
         # Every reason's series exists from the start, so a rate over it reads 0, not nothing.
         self._unavailable = {
-            (name, reason): Count(unavailable_total.labels(name, reason))
-            for name in config.runners for reason in UNAVAILABLE_REASONS
+            (name, reason, door): Count(unavailable_total.labels(name, reason, door))
+            for name in config.runners for reason in UNAVAILABLE_REASONS for door in PROTOCOLS
         }
+        # Called with every publish and at a stop: the gRPC door's health statuses.
+        self.listeners: list[Callable[[], None]] = []
 
     def publish(self) -> None:
         """This worker's live gauges (calls in flight, runner processes connected), and the
@@ -192,6 +205,8 @@ class Service:
             inflight_requests.labels(name).set(self.waiting[name])
             processes_connected.labels(name).set(sum(link.connected for link in pool.links))
             processes_configured.labels(name).set(len(pool.links))
+        for listener in self.listeners:
+            listener()
 
     @property
     def busy(self) -> bool:
@@ -201,6 +216,18 @@ class Service:
     def stop(self) -> None:
         """Take no new work from now on: readiness and new inference requests answer 503."""
         self.stopping = True
+        for listener in self.listeners:
+            listener()
+
+    @property
+    def ready(self) -> bool:
+        """Whether every runner has a process connected and the worker takes work."""
+        return not self.stopping and all(pool.ready for pool in self.pools.values())
+
+    def model_ready(self, name: str) -> bool:
+        """Whether a process of runner `name` (a served one) is connected and the worker takes
+        work."""
+        return not self.stopping and self.pools[name].ready
 
     @property
     def idle(self) -> bool:
@@ -224,7 +251,10 @@ class Service:
         """Admit an inference request for model `name` whose headers have arrived: refused
         at once (answered, `done`) when the model is unknown, the worker stops or sheds; else
         waiting for its body (`Exchange.run`)."""
-        exchange = Exchange(self, name, respond)
+        return self.admit(Exchange(self, name, respond), version)
+
+    def admit(self, exchange: ExchangeT, version: str | None) -> ExchangeT:
+        """Admit an exchange of either door (see `request`)."""
         exchange.admit(version)
         return exchange
 
@@ -258,27 +288,29 @@ class Service:
         share = max(shedder.share, self.gates[runner].shares(now))
         return retry_after_s(backlog_s(share, shedder.behind_s(now)))
 
-    def observe(self, runner: str, status: int, started: float, reason: str) -> None:
+    def observe(self, runner: str, status: int, started: float, reason: str,
+                door: str = "http") -> None:
         """Count one answer, and a 503 once more by its reason. A 200, and any answer while
         the front sheds, is written to the metrics with the next flush; another is written
         at once, so a scrape right after it counts it."""
         if runner not in self.waiting:  # a model not served here: nothing to count it under
             return
-        tally = self._answers.get((runner, status))
+        tally = self._answers.get((runner, status, door))
         if tally is None:
             code = str(status)
-            tally = self._answers[runner, status] = Tally(
-                request_duration.labels(runner, code), requests_total.labels(runner, code))
+            tally = self._answers[runner, status, door] = Tally(
+                request_duration.labels(runner, code, door),
+                requests_total.labels(runner, code, door))
         tally.observe(time.monotonic() - started)
         if status != 503:
             if status != 200:
                 tally.flush()
             return
-        count = self._unavailable.get((runner, reason))
+        count = self._unavailable.get((runner, reason, door))
         if count is None:  # a 503 raised without a reason of its own
             reason = reason or "unreachable"
-            count = self._unavailable[runner, reason] = Count(
-                unavailable_total.labels(runner, reason))
+            count = self._unavailable[runner, reason, door] = Count(
+                unavailable_total.labels(runner, reason, door))
         count.inc()
         if not self.shedding:
             tally.flush()
@@ -302,7 +334,11 @@ class Service:
 
 
 class Exchange:
-    """One inference request, from its admission to its one answer."""
+    """One inference request, from its admission to its one answer; this class reads and
+    writes HTTP's v2 bodies (`decode`, `encode`, `refusal`), the gRPC door's subclass the
+    protocol buffers."""
+
+    PROTOCOL = "http"
 
     __slots__ = ("service", "name", "respond", "started", "done", "counted", "runner",
                  "call", "sent", "budget_s")
@@ -341,7 +377,7 @@ class Exchange:
             # The deadline runs from the whole request's arrival: its upload is the client's.
             arrived = time.monotonic()
             limit = runner.batching.max_latency_ms / 1000
-            rate = service.decode_rates[runner.name] if header_length is None else None
+            rate = self.decode_rate(runner, header_length)
             if rate is not None and (least_s := rate.least_s(len(body))) > limit:
                 raise admission.too_large_on_arrival(
                     runner.name, len(body), least_s, runner.batching.max_latency_ms)
@@ -350,8 +386,7 @@ class Exchange:
             # call: two a request, for nothing).
             large = len(body) >= admission.LEARN_BYTES
             cpu = time.thread_time() if large else 0.0
-            call = self.call = protocol.decode_infer(
-                body, protocol.parse_header_length(header_length), runner)
+            call = self.call = self.decode(body, header_length, runner)
             spent_s = 0.0
             if large:
                 spent_s = time.thread_time() - cpu
@@ -376,6 +411,23 @@ class Exchange:
             service.waiting[runner.name] += 1
         except Exception as exc:
             self.fail(exc)
+
+    def decode_rate(self, runner: RunnerConfig, header_length: str | None
+                    ) -> admission.DecodeRate | None:
+        """The rate this worker decodes the runner's JSON bodies at; None for a binary one."""
+        return self.service.decode_rates[runner.name] if header_length is None else None
+
+    def decode(self, body: bytes, header_length: str | None, runner: RunnerConfig
+               ) -> protocol.InferRequest:
+        return protocol.decode_infer(body, protocol.parse_header_length(header_length), runner)
+
+    def encode(self, runner: RunnerConfig, call: protocol.InferRequest, outputs: Tensors
+               ) -> tuple[bytes, Mapping[str, str]]:
+        return protocol.encode_infer(runner.name, call, outputs, runner)
+
+    def refusal(self, exc: BaseException) -> tuple[int, bytes, Mapping[str, str]]:
+        """An error's status, body and headers."""
+        return error_response(exc)
 
     def _refuse_on_backlog(self, backlog: Published | None, budget_s: float, now: float
                            ) -> None:
@@ -416,7 +468,7 @@ class Exchange:
                 raise _failure_error(runner.name, outcome)
             if isinstance(outcome, Exception):
                 raise outcome
-            content, headers = protocol.encode_infer(runner.name, call, outcome, runner)
+            content, headers = self.encode(runner, call, outcome)
             service.reserves[runner.name].observe(time.monotonic() - (self.sent + self.budget_s))
         except Exception as exc:
             self.fail(exc)
@@ -426,7 +478,7 @@ class Exchange:
     def fail(self, exc: BaseException) -> None:
         if not isinstance(exc, BatchserveError):
             log.error("unexpected error answering a request", exc_info=exc)
-        status, content, headers = error_response(exc)
+        status, content, headers = self.refusal(exc)
         self.finish(status, content, headers, getattr(exc, "reason", ""))
 
     def finish(self, status: int, content: bytes, headers: Mapping[str, str], reason: str
@@ -442,6 +494,6 @@ class Exchange:
             self.respond(status, content, headers)
         except Exception:
             log.exception("writing an answer failed")
-        service.observe(self.name, status, self.started, reason)
+        service.observe(self.name, status, self.started, reason, self.PROTOCOL)
         if service.inflight == 0:
             service.flush()

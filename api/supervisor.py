@@ -5,7 +5,10 @@ worker starts. A runner whose configuration lists `addresses` runs elsewhere (`b
 runner`) and is not started here: the API workers connect to those addresses, and start-up
 waits for the workers' liveness instead of readiness, since a runner on another host may come
 later (until it does, its requests get 503). `--api-only` asserts that every runner is such.
-The API socket is bound once here and shared with every worker; the server is ready once
+The API socket is bound once here and shared with every worker; the gRPC port
+(`api.grpc_port`, 0 for none) is checked free and then held here, bound with `SO_REUSEPORT`
+but not listening, so that every worker binds it beside the others (gRPC cannot take a socket
+it did not open) and no other server takes it while one restarts. The server is ready once
 every worker has reported serving on a pipe (before that a worker has no drain to run, and a
 stop signal kills it) and the port answers. Signal handlers only note the signal; the main
 loop acts on it. A child that dies is replaced; its in-flight requests were already answered
@@ -174,12 +177,14 @@ class Supervisor:
     host: str
     port: int
     api_workers: int
+    grpc_port: int = 0
     runners: list[Child] = field(default_factory=list)
     apis: list[Child] = field(default_factory=list)
     signals: list[int] = field(default_factory=list)
     wake: threading.Event = field(default_factory=threading.Event)
     metrics_dir: Path | None = None
     keys: Credentials = field(default_factory=Credentials)
+    grpc_hold: socket.socket | None = None
 
     @property
     def timeouts(self) -> Timeouts:
@@ -202,6 +207,8 @@ class Supervisor:
                 self._watch()
                 log.info("batchserve stopping: draining the API workers, then the runners")
                 clean = self._stop(self.apis)
+            if self.grpc_hold is not None:
+                self.grpc_hold.close()
             clean = self._stop(self.runners) and clean
         log.info("batchserve stopped")
         return 0 if clean else 1
@@ -237,6 +244,10 @@ class Supervisor:
             child.start()
         self._await_runners()
         listener = self._bind()
+        grpc_args = []
+        if self.grpc_port:
+            self.grpc_hold = self._hold_grpc()
+            grpc_args = ["--grpc-host", self.host, "--grpc-port", str(self.grpc_port)]
         addresses: dict[str, list[str]] = {}
         for runner in self.config.runners.values():
             addresses[runner.name] = [str(a) for a in runner.addresses] or [
@@ -246,7 +257,8 @@ class Supervisor:
             self.apis.append(Child(
                 f"api worker {index}",
                 [sys.executable, "-m", "batchserve.api.worker", "--config", config_arg,
-                 "--runners", orjson.dumps(addresses).decode(), "--fd", str(listener.fileno())],
+                 "--runners", orjson.dumps(addresses).decode(), "--fd", str(listener.fileno()),
+                 *grpc_args],
                 self._environment(folder), pass_fds=(listener.fileno(),), reports_ready=True,
             ))
         for child in self.apis:
@@ -290,6 +302,24 @@ class Supervisor:
         self.port = listener.getsockname()[1]
         return listener
 
+    def _hold_grpc(self) -> socket.socket:
+        """Check the gRPC port is free (a bind without `SO_REUSEPORT` fails if anyone holds
+        it, another batchserve included), then hold it for the workers (see the docstring)."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        for reuse in (False, True):
+            hold = socket.socket(family, socket.SOCK_STREAM)
+            hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(reuse))
+            try:
+                hold.bind((self.host, self.grpc_port))
+            except OSError as exc:
+                hold.close()
+                where = f"{self.host}:{self.grpc_port}"
+                raise StartupError(f"cannot listen for gRPC on {where}: {exc.strerror}"
+                                   ) from None
+            if not reuse:
+                hold.close()
+        return hold
+
     def _await_api(self, listener: socket.socket) -> None:
         limit = self.timeouts.api_start_s
         deadline = time.monotonic() + limit
@@ -305,7 +335,9 @@ class Supervisor:
             if time.monotonic() > deadline:
                 raise StartupError(f"the API did not become ready within {limit:g} s")
             self.wake.wait(Timeouts.POLL_S)
-        log.info("batchserve ready at http://%s:%d (pid %d)", self.host, self.port, os.getpid())
+        grpc = f", grpc at {self.host}:{self.grpc_port}" if self.grpc_port else ""
+        log.info("batchserve ready at http://%s:%d (pid %d)%s", self.host, self.port,
+                 os.getpid(), grpc)
 
     def _watch(self) -> None:
         threading.Thread(target=self._ping_runners, name="pinger", daemon=True).start()

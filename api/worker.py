@@ -35,6 +35,7 @@ from ..runner.core.timeouts import Timeouts
 from ..runner.core.wire import Address
 from .app import App, create_app
 from .connection import protocol_for
+from .grpc.server import GrpcServer
 
 log = logging.getLogger("batchserve.api")
 
@@ -43,10 +44,12 @@ class DrainingServer(uvicorn.Server):
     """uvicorn that drains its app before it stops accepting (see the module docstring)."""
 
     def __init__(
-        self, config: uvicorn.Config, app: App, drain_s: float, ready_fd: int | None = None
+        self, config: uvicorn.Config, app: App, drain_s: float, ready_fd: int | None = None,
+        grpc: GrpcServer | None = None,
     ) -> None:
         super().__init__(config)
         self.app = app
+        self.grpc = grpc
         self.drain_s = drain_s
         self.ready_fd = ready_fd
         self.deadline: float | None = None
@@ -57,6 +60,8 @@ class DrainingServer(uvicorn.Server):
         self.loop = asyncio.get_running_loop()
         self.signalled = asyncio.Event()
         await super().startup(sockets)
+        if self.grpc is not None and not self.should_exit:
+            await self.grpc.start()
         gc.freeze()  # start-up's objects live as long as the worker: out of the collector's way
         # Serving, and a stop signal now drains: until here it killed the process (exit -15),
         # so the supervisor is ready only once every worker has said so.
@@ -71,6 +76,9 @@ class DrainingServer(uvicorn.Server):
         if self.deadline is None:
             self.deadline = time.monotonic() + self.drain_s
             self.app.service.stop()
+            if self.grpc is not None and self.loop is not None:
+                # gRPC's own drain: GOAWAY now, the calls it holds finish within the grace.
+                self.loop.call_soon_threadsafe(self.grpc.stop, self.drain_s)
         else:
             self.should_exit = self.force_exit = True
         if self.loop is not None and self.signalled is not None:
@@ -84,6 +92,12 @@ class DrainingServer(uvicorn.Server):
             await self.signalled.wait()
         while not await self.on_tick(0):  # noqa: ASYNC110 - a deadline, polled while draining
             await asyncio.sleep(Timeouts.DRAIN_TICK_S)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.grpc is not None:
+            self.grpc.stop(0)  # a forced exit; else stopped at the signal, and done by now
+            await self.grpc.wait_stopped()
+        await super().shutdown(sockets)
 
     async def on_tick(self, counter: int) -> bool:
         if self.deadline is not None and not self.should_exit:
@@ -109,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runners", required=True, help='JSON {"runner": ["unix:/a.sock"]}')
     parser.add_argument("--fd", type=int, required=True, help="the bound listening socket")
     parser.add_argument("--ready-fd", type=int, help="a pipe to write one byte to once serving")
+    parser.add_argument("--grpc-host", default="127.0.0.1")
+    parser.add_argument("--grpc-port", type=int, default=0, help="0: no gRPC")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = load(args.config)
@@ -132,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_keep_alive=timeouts.keep_alive_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=timeouts.drain_s,  # type: ignore[arg-type]
         proxy_headers=False,
-    ), app, timeouts.drain_s, args.ready_fd)
+    ), app, timeouts.drain_s, args.ready_fd,
+        GrpcServer(app.service, args.grpc_host, args.grpc_port) if args.grpc_port else None)
     server.run(sockets=[listener])
     return 0
 

@@ -21,7 +21,8 @@ from batchserve.api.bench.cpu import process_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCHSERVE = str(Path(sys.executable).parent / "batchserve")
-READY = re.compile(r"batchserve ready at http://([\d.]+):(\d+) \(pid (\d+)\)")
+READY = re.compile(r"batchserve ready at http://([\d.]+):(\d+) \(pid (\d+)\)"
+                   r"(?:, grpc at ([\d.]+:\d+))?")
 START_S = 180.0
 
 
@@ -31,6 +32,7 @@ class Server:
 
     process: subprocess.Popen[str]
     url: str = ""
+    grpc: str = ""  # host:port of its gRPC service, when it has one
     pid: int = 0
     log: list[str] = field(default_factory=list)
     reader: threading.Thread | None = None
@@ -70,7 +72,10 @@ def descendants(pid: int) -> list[int]:
 
 def start_server(config: Path, *args: str, prefix: Sequence[str] = ()) -> Server:
     """Start `batchserve serve` on a free port and wait for its ready line; `prefix` runs it
-    under another command (`ip netns exec NS`)."""
+    under another command (`ip netns exec NS`). gRPC is off unless `args` give a
+    `--grpc-port` (`free_port()`): its default port, 8001, is one for the whole machine."""
+    if "--grpc-port" not in args:
+        args = (*args, "--grpc-port", "0")
     process = subprocess.Popen(
         [*prefix, BATCHSERVE, "serve", "--config", str(config), "--port", "0", *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=config.parent,
@@ -87,6 +92,7 @@ def start_server(config: Path, *args: str, prefix: Sequence[str] = ()) -> Server
             if match:
                 server.url = f"http://{match[1]}:{match[2]}"
                 server.pid = int(match[3])
+                server.grpc = match[4] or ""
                 ready.set()
         ready.set()
 
@@ -133,6 +139,16 @@ def bundled() -> Iterator[Server]:
     server = start_server(ROOT / "configuration.yml", "--api-workers", "2")
     yield server
     server.stop()
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for `--grpc-port`, which has no "pick one")."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
 
 
 def wait_for(condition: object, timeout: float, what: str) -> None:

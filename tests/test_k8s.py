@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 KUSTOMIZATIONS = ("base", "overlays/dev", "overlays/prometheus-adapter", "overlays/keda",
-                  "overlays/keda-utilization")
+                  "overlays/keda-utilization", "overlays/grpc-probes")
+GRPC_PORT = 8001
 TOKEN_FILE = "base/runner-mlp-token.env"
 # The oldest Kubernetes the manifests are for (the preStop `sleep` action is on by default
 # from 1.30), and the newest whose schemas kubernetes-validate ships.
@@ -268,12 +269,23 @@ def test_the_runner_pod_runs_batchserve_runner_on_its_ports(
 def test_the_api_pod_runs_serve_api_only(rendered: dict[str, list[Doc]]) -> None:
     api = container(rendered["base"], "api")
     assert api["args"] == ["serve", "--api-only", "--config", "/etc/batchserve/configuration.yml",
-                           "--host", "0.0.0.0", "--port", str(API_PORT)]
-    assert api["ports"] == [{"name": "http", "containerPort": API_PORT, "protocol": "TCP"}]
+                           "--host", "0.0.0.0", "--port", str(API_PORT),
+                           "--grpc-port", str(GRPC_PORT)]
+    assert api["ports"] == [{"name": "http", "containerPort": API_PORT, "protocol": "TCP"},
+                            {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}]
     paths = {kind: api[kind]["httpGet"]["path"]
              for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
     assert paths == {"startupProbe": "/v2/health/live", "readinessProbe": "/v2/health/ready",
                      "livenessProbe": "/v2/health/live"}
+
+
+def test_the_grpc_overlay_probes_the_standard_health_service(
+        rendered: dict[str, list[Doc]]) -> None:
+    api = container(rendered["overlays/grpc-probes"], "api")
+    assert api["readinessProbe"]["grpc"] == {"port": GRPC_PORT}
+    assert api["livenessProbe"]["grpc"] == {"port": GRPC_PORT,
+                                            "service": "inference.GRPCInferenceService"}
+    assert "httpGet" in api["startupProbe"]
 
 
 def test_the_runner_start_up_is_given_its_whole_timeout(rendered: dict[str, list[Doc]]) -> None:

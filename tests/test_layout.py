@@ -8,7 +8,12 @@ the folders below it:
     runner          runner.core, runner.policy, runner (the runner process; never runner.sim)
     api.client      runner.core, api.client
     api.bench       runner.core, api.client, api.bench
-    api             runner.*, api (the HTTP front; never api.client or api.bench)
+    api.grpc        runner.core, runner, api, api.grpc (the gRPC door: into api's exchange)
+    api             runner.*, api (the HTTP door and the exchange; never api.client or
+                    api.bench), and api.grpc from api.worker alone, the process that opens
+                    both doors
+
+The exchange (api.service and what it uses) knows of no door: the gRPC door subclasses it.
 
 Inside runner/ and api/ every import of the project is relative (`from ..core import wire`)."""
 
@@ -37,11 +42,16 @@ ALLOWED: dict[str, set[str]] = {
     "batchserve.api.bench": {
         "batchserve.runner.core", "batchserve.api.client", "batchserve.api.bench",
     },
+    "batchserve.api.grpc": {
+        "batchserve.runner.core", "batchserve.runner", "batchserve.api", "batchserve.api.grpc",
+    },
     "batchserve.api": {
         "batchserve.runner.core", "batchserve.runner.policy", "batchserve.runner.sim",
-        "batchserve.runner", "batchserve.api",
+        "batchserve.runner", "batchserve.api", "batchserve.api.grpc",
     },
 }
+OPENS_THE_DOORS = {"batchserve.api.worker"}
+"""The modules of api/ that may import a door's folder (api.grpc)."""
 
 
 def module_files() -> dict[str, Path]:
@@ -166,6 +176,17 @@ def test_each_folder_imports_only_the_folders_below_it() -> None:
     assert crossings(import_graph()) == {}
 
 
+def test_only_the_worker_opens_the_grpc_door() -> None:
+    """The exchange, the HTTP door and the supervisor never import the gRPC door: it comes
+    in through `api.service`, as HTTP does, and only the worker process starts it."""
+    opening = {
+        name for name, targets in import_graph().items()
+        if not name.startswith("batchserve.api.grpc")
+        and any(target.startswith("batchserve.api.grpc") for target in targets)
+    }
+    assert opening == OPENS_THE_DOORS
+
+
 @pytest.mark.parametrize(("importer", "target"), [
     ("batchserve.runner.core.wire", "batchserve.runner.policy.base"),
     ("batchserve.runner.policy.adaptive", "batchserve.runner.sim.scenario"),
@@ -178,6 +199,8 @@ def test_each_folder_imports_only_the_folders_below_it() -> None:
     ("batchserve.api.bench.probe", "batchserve.runner.metrics"),
     ("batchserve.api.app", "batchserve.api.bench.loadgen"),
     ("batchserve.api.dispatch", "batchserve.api.client.codec"),
+    ("batchserve.api.grpc.door", "batchserve.api.client.codec"),
+    ("batchserve.api.grpc.server", "batchserve.runner.policy.base"),
 ])
 def test_an_import_against_the_grain_is_caught(importer: str, target: str) -> None:
     graph = import_graph()

@@ -66,6 +66,15 @@ def test_iris_scores_as_the_readme_shows(bundled: Server) -> None:
     assert np.argmax(expected, axis=1).tolist() == [0, 2]
 
 
+def test_health_bodies_say_what_the_protocol_says(bundled: Server) -> None:
+    """A v2 client reads the body, not only the status: `{}` would read as not live."""
+    with bundled.client() as client:
+        live = client.get("/v2/health/live")
+        ready = client.get("/v2/health/ready")
+    assert (live.status_code, live.json()) == (200, {"live": True})
+    assert (ready.status_code, ready.json()) == (200, {"ready": True})
+
+
 @pytest.mark.parametrize("binary", [False, True])
 def test_tritonclient_http_against_the_real_server(bundled: Server, binary: bool) -> None:
     client = triton.InferenceServerClient(bundled.url.removeprefix("http://"))

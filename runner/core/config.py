@@ -151,6 +151,7 @@ class RunnerConfig:
 class ApiConfig:
     host: str = "127.0.0.1"
     port: int = 3000
+    grpc_port: int = 8001  # the v2 protocol over gRPC, beside HTTP; 0 turns it off
     workers: int = 2
     max_body_bytes: int = 64 * 1024 * 1024
     max_inflight: int = 1024
@@ -536,14 +537,18 @@ def _fields(obj: Any) -> dict[str, Any]:
 
 
 def _api(key: str, value: Any) -> ApiConfig:
-    raw = _mapping(key, value, {"host", "port", "workers", "max_body_bytes", "max_inflight"})
+    raw = _mapping(key, value, {"host", "port", "grpc_port", "workers", "max_body_bytes",
+                                "max_inflight"})
     default = ApiConfig()
-    port = _int(f"{key}.port", raw.get("port", default.port), 0)
-    if port > 65535:
-        raise _fail(f"{key}.port", port, "a port number from 0 to 65535")
+    ports = {}
+    for name in ("port", "grpc_port"):
+        port = ports[name] = _int(f"{key}.{name}", raw.get(name, getattr(default, name)), 0)
+        if port > 65535:
+            raise _fail(f"{key}.{name}", port, "a port number from 0 to 65535")
     return ApiConfig(
         host=_str(f"{key}.host", raw.get("host", default.host)),
-        port=port,
+        port=ports["port"],
+        grpc_port=ports["grpc_port"],
         workers=_int(f"{key}.workers", raw.get("workers", default.workers), 1),
         max_body_bytes=_int(
             f"{key}.max_body_bytes", raw.get("max_body_bytes", default.max_body_bytes), 1
