@@ -493,8 +493,8 @@ class Dispatcher:
             self._launch(step.batch)
         self._arm(step.wake_at, now)
         if not self._busy and not self._jobs:
+            # The tallies are written out once the answers are (`_account`, `_reply`).
             self._idle.set()
-            self.metrics.flush()  # a scrape after the last answer counts all of it
 
     def _expired(self, request: Request) -> Rejection:
         """Why a request is dropped from the queue at its deadline: 503, to come back later,

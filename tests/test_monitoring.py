@@ -42,6 +42,7 @@ runners:
 INFER = "/v2/models/echo/infer"
 MIXED = (None, 5000, 300)
 NO_ANSWER = 0  # the connection dropped before a status came back
+MORE_STALLED_ROUNDS = 10
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -150,8 +151,17 @@ def test_counters_add_up_across_two_workers_and_a_replaced_runner(
     monkeypatch.setenv("BATCHSERVE_BATCH_LOG", str(logs))
     server = serve(ECHO, "--api-workers", "2")
     seen = traffic(server.url) + traffic(server.url, rounds=2, stalls=False)
+    # Which runner process each stalling request lands on is random, and with it whether
+    # one queued behind a stall expires: more stalled rounds, until both reasons are seen.
+    for _ in range(MORE_STALLED_ROUNDS):
+        settle(lambda: mismatches(server, seen, logs))  # the batch log is flushed every second
+        samples = scrape(server)
+        if all(total(samples, "batchserve_rejections_total", reason=reason) > 0
+               for reason in ("queue", "expired")):
+            break
+        seen += traffic(server.url, rounds=1)
     assert seen[200] and seen[503] and not seen[NO_ANSWER], seen
-    settle(lambda: mismatches(server, seen, logs))  # the batch log is flushed every second
+    settle(lambda: mismatches(server, seen, logs))
     samples = scrape(server)
     assert total(samples, "batchserve_rejections_total", reason="queue") > 0
     assert total(samples, "batchserve_rejections_total", reason="expired") > 0
