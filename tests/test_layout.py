@@ -6,7 +6,7 @@ the folders below it:
     runner.policy   runner.core, runner.policy
     runner.sim      runner.core, runner.policy, runner.sim
     runner          runner.core, runner.policy, runner (the runner process; never runner.sim)
-    api.client      runner.core, api.client
+    api.client      runner.core, api.client, and the gRPC messages (api.grpc.messages)
     api.bench       runner.core, api.client, api.bench
     api.grpc        runner.core, runner, api, api.grpc (the gRPC door: into api's exchange)
     api             runner.*, api (the HTTP door and the exchange; never api.client or
@@ -14,6 +14,8 @@ the folders below it:
                     both doors
 
 The exchange (api.service and what it uses) knows of no door: the gRPC door subclasses it.
+The protocol's gRPC messages (api.grpc.messages and the descriptors it builds them from) import
+nothing else of the project, so the client may speak gRPC without the server's door.
 
 Inside runner/ and api/ every import of the project is relative (`from ..core import wire`)."""
 
@@ -50,6 +52,10 @@ ALLOWED: dict[str, set[str]] = {
         "batchserve.runner", "batchserve.api", "batchserve.api.grpc",
     },
 }
+MESSAGES = {"batchserve.api.grpc.messages", "batchserve.api.grpc.descriptor"}
+"""The gRPC protocol's messages, which import nothing else of the project."""
+SPEAK_GRPC = {"batchserve.api.client", "batchserve.api.bench"}
+"""The folders besides the gRPC door that may import `MESSAGES`."""
 OPENS_THE_DOORS = {"batchserve.api.worker"}
 """The modules of api/ that may import a door's folder (api.grpc)."""
 
@@ -115,7 +121,8 @@ def crossings(graph: dict[str, set[str]]) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for name, targets in graph.items():
         folder = folder_of(name, packages)
-        bad = sorted(t for t in targets if folder_of(t, packages) not in ALLOWED[folder])
+        bad = sorted(t for t in targets if folder_of(t, packages) not in ALLOWED[folder]
+                     and not (t in MESSAGES and folder in SPEAK_GRPC))
         if bad:
             found[name] = bad
     return found
@@ -178,13 +185,21 @@ def test_each_folder_imports_only_the_folders_below_it() -> None:
 
 def test_only_the_worker_opens_the_grpc_door() -> None:
     """The exchange, the HTTP door and the supervisor never import the gRPC door: it comes
-    in through `api.service`, as HTTP does, and only the worker process starts it."""
+    in through `api.service`, as HTTP does, and only the worker process starts it. The
+    client and the bench take its messages alone."""
+    packages = package_names()
     opening = {
         name for name, targets in import_graph().items()
         if not name.startswith("batchserve.api.grpc")
+        and folder_of(name, packages) not in SPEAK_GRPC
         and any(target.startswith("batchserve.api.grpc") for target in targets)
     }
     assert opening == OPENS_THE_DOORS
+
+
+def test_the_grpc_messages_import_only_each_other() -> None:
+    graph = import_graph()
+    assert {name: graph[name] - MESSAGES for name in MESSAGES} == dict.fromkeys(MESSAGES, set())
 
 
 @pytest.mark.parametrize(("importer", "target"), [
@@ -195,6 +210,7 @@ def test_only_the_worker_opens_the_grpc_door() -> None:
     ("batchserve.runner.server", "batchserve.api.app"),
     ("batchserve.api.client.codec", "batchserve.runner.policy.base"),
     ("batchserve.api.client.client", "batchserve.api.errors"),
+    ("batchserve.api.client.grpc_codec", "batchserve.api.grpc.codec"),
     ("batchserve.api.bench.loadgen", "batchserve.api.app"),
     ("batchserve.api.bench.probe", "batchserve.runner.metrics"),
     ("batchserve.api.app", "batchserve.api.bench.loadgen"),
