@@ -37,8 +37,8 @@ from .codec import (
     retry_after,
 )
 
-__all__ = ["METHODS", "check_status", "decode_infer", "encode_infer", "metadata_of",
-           "metadata_request"]
+__all__ = ["METHODS", "check_status", "decode_infer", "encode_infer", "http_status",
+           "metadata_of", "metadata_request", "trailers_of"]
 
 METHODS: Final = {name: f"/{SERVICE}/{name}"
                   for name in ("ModelMetadata", "ModelConfig", "ModelInfer")}
@@ -170,9 +170,19 @@ def check_status(code: grpc.StatusCode, details: str | None,
     before trying again, or raised as the HTTP client raises it. A refusal's reason and delay
     come from the trailing metadata; an expired request (`DEADLINE_EXCEEDED` with a reason)
     is the 503 it is over HTTP, and without one the model's time limit, a 504."""
-    found = {key: value if isinstance(value, str) else value.decode()
-             for key, value in trailers or ()}
-    reason = found.get("batchserve-reason")
-    status = 503 if reason is not None else _STATUS.get(code, 500)
-    return check_error(status, details or code.name, reason,
-                       retry_after(found.get("retry-after")), remaining_s)
+    found = trailers_of(trailers)
+    return check_error(http_status(code, found), details or code.name,
+                       found.get("batchserve-reason"), retry_after(found.get("retry-after")),
+                       remaining_s)
+
+
+def trailers_of(trailers: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
+    """Trailing metadata as text by key."""
+    return {key: value if isinstance(value, str) else value.decode()
+            for key, value in trailers or ()}
+
+
+def http_status(code: grpc.StatusCode, trailers: Mapping[str, str]) -> int:
+    """The HTTP status of the decision a failed call's code and trailers stand for: a 503
+    whenever the server names a reason (an expired request is DEADLINE_EXCEEDED over gRPC)."""
+    return 503 if "batchserve-reason" in trailers else _STATUS.get(code, 500)
