@@ -50,7 +50,7 @@ STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("v2 reply encode", ("encode_infer", "output_json", "output_data", "output_array")),
     ("API: dispatch to runner (pool, link)", ("api/dispatch.py",)),
     ("metrics", ("prometheus_client", "runner/metrics.py")),
-    ("API: app, routing (Starlette)", ("api/app.py", "starlette/")),
+    ("API: app, routing (Starlette)", ("api/http/app.py", "starlette/")),
     ("HTTP parse + ASGI (uvicorn, httptools)", ("uvicorn/", "httptools")),
     ("event loop, sockets (uvloop, asyncio)", ("asyncio/", "uvloop", "run_forever",
                                                 "Runner.run", "selectors")),

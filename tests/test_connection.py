@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from batchserve.api.connection import Connection, Exchange
+from batchserve.api.http.connection import Connection, Exchange
 from tests.conftest import ROOT, Server, start_server, wait_for
 from tests.test_remote import metric
 
