@@ -43,7 +43,7 @@ def _links(config: Config, api_only: bool) -> Credentials:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .connection import UnsupportedUvicorn, check_uvicorn
+    from .http.connection import UnsupportedUvicorn, check_uvicorn
     from .supervisor import Supervisor
 
     try:

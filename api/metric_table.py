@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY
 
-from . import app  # noqa: F401  (registers the API workers' metrics, and the runner's)
+from .http import app  # noqa: F401  (registers the API workers' metrics, and the runner's)
 
 PREFIX = "batchserve_"
 START = "<!-- metrics: start -->"

@@ -5,7 +5,7 @@ sees tensors that fit; its deadline starts when the whole request has arrived, a
 time is left is what the runner is given. Nothing here awaits: a request is decoded, admitted
 and sent in one go, and answered from the callback its runner's answer arrives in, so a
 request costs no task, no timer and no event-loop turn of its own. Whoever carries the HTTP
-exchange (`batchserve.api.connection` in a worker, the ASGI app in-process) hands the body in
+exchange (`batchserve.api.http.connection` in a worker, the ASGI app in-process) hands the body in
 and gets the answer through `Respond`.
 
 HTTP and gRPC are two doors into this one exchange: `Exchange` reads a v2 JSON or binary body

@@ -3,7 +3,7 @@
 The supervisor binds the listening socket once and hands its file descriptor to every
 worker, so all of them accept on the same port and a worker can be replaced alone.
 
-Inference requests are answered by `batchserve.api.connection`, uvicorn's HTTP protocol with
+Inference requests are answered by `batchserve.api.http.connection`, uvicorn's HTTP protocol with
 the inference route taken off its ASGI path; the worker's main loop sleeps until a signal
 comes, where uvicorn's wakes ten times a second.
 
@@ -33,9 +33,9 @@ from ..runner.core.config import load
 from ..runner.core.security import credentials
 from ..runner.core.timeouts import Timeouts
 from ..runner.core.wire import Address
-from .app import App, create_app
-from .connection import protocol_for
 from .grpc.server import GrpcServer
+from .http.app import App, create_app
+from .http.connection import protocol_for
 
 log = logging.getLogger("batchserve.api")
 

@@ -70,13 +70,13 @@ def infer(
 
 
 def answered(server: Server, code: str = "200") -> float:
-    """`batchserve_requests_total` for the mlp runner and one status code."""
+    """`batchserve_requests_total` for the mlp runner and one status code, over HTTP."""
     with server.client() as client:
         text = client.get("/metrics").text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if (sample.name == "batchserve_requests_total"
-                    and sample.labels == {"runner": "mlp", "code": code}):
+                    and sample.labels == {"runner": "mlp", "code": code, "protocol": "http"}):
                 return sample.value
     return 0.0
 

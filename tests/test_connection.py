@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from batchserve.api.connection import Connection, Exchange
+from batchserve.api.http.connection import Connection, Exchange
 from tests.conftest import ROOT, Server, start_server, wait_for
 from tests.test_remote import metric
 
@@ -130,7 +130,7 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection(connect: Con
               + request(infer, body(5, 6, 7, 8)) + request("/v2/models/nope/infer", body(1)))
     first, live, second, unknown = (wire.response() for _ in range(4))
     assert first[0] == 200 and json.loads(first[2])["outputs"][0]["data"] == [1, 2, 3, 4]
-    assert live[0] == 200 and live[2] == b"{}"
+    assert live[0] == 200 and live[2] == b'{"live":true}'
     assert second[0] == 200 and json.loads(second[2])["outputs"][0]["data"] == [5, 6, 7, 8]
     assert unknown[0] == 404 and b"'nope' is not served here" in unknown[2]
 

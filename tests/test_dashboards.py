@@ -13,7 +13,8 @@ from prometheus_client import REGISTRY
 
 # Importing the modules that define metrics registers them with prometheus_client's default
 # registry: the API workers' (app, service) and the runners' (runner.metrics).
-from batchserve.api import app, service  # noqa: F401
+from batchserve.api import service  # noqa: F401
+from batchserve.api.http import app  # noqa: F401
 from batchserve.runner import metrics  # noqa: F401
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "dashboards" / "batchserve.json"

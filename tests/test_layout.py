@@ -6,14 +6,19 @@ the folders below it:
     runner.policy   runner.core, runner.policy
     runner.sim      runner.core, runner.policy, runner.sim
     runner          runner.core, runner.policy, runner (the runner process; never runner.sim)
-    api.client      runner.core, api.client
+    api.client      runner.core, api.client, and the gRPC messages (api.grpc.messages)
     api.bench       runner.core, api.client, api.bench
+    api.http        runner.core, runner, api, api.http (the HTTP door: into api's exchange)
     api.grpc        runner.core, runner, api, api.grpc (the gRPC door: into api's exchange)
-    api             runner.*, api (the HTTP door and the exchange; never api.client or
-                    api.bench), and api.grpc from api.worker alone, the process that opens
-                    both doors
+    api             runner.*, api (the exchange and the processes; never api.client or
+                    api.bench), and a door from the modules that open it: api.worker (both
+                    doors), api.cli (it checks uvicorn for the HTTP door), api.metric_table
+                    (it registers the HTTP door's metrics)
 
-The exchange (api.service and what it uses) knows of no door: the gRPC door subclasses it.
+The two doors import the shared exchange (api.service and what it uses), never each other, and
+the exchange knows of no door: the gRPC door subclasses it, the HTTP door hands it bodies.
+The protocol's gRPC messages (api.grpc.messages and the descriptors it builds them from) import
+nothing else of the project, so the client may speak gRPC without the server's door.
 
 Inside runner/ and api/ every import of the project is relative (`from ..core import wire`)."""
 
@@ -28,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("runner", "api")
 
 # Each folder, as its dotted name, and the folders its modules may import. The runner process
-# (`runner`) and the HTTP front (`api`) are the modules directly in runner/ and api/.
+# (`runner`) and the exchange with its processes (`api`) are the modules directly in runner/ and
+# api/.
 ALLOWED: dict[str, set[str]] = {
     "batchserve.runner.core": {"batchserve.runner.core"},
     "batchserve.runner.policy": {"batchserve.runner.core", "batchserve.runner.policy"},
@@ -42,16 +48,28 @@ ALLOWED: dict[str, set[str]] = {
     "batchserve.api.bench": {
         "batchserve.runner.core", "batchserve.api.client", "batchserve.api.bench",
     },
+    "batchserve.api.http": {
+        "batchserve.runner.core", "batchserve.runner", "batchserve.api", "batchserve.api.http",
+    },
     "batchserve.api.grpc": {
         "batchserve.runner.core", "batchserve.runner", "batchserve.api", "batchserve.api.grpc",
     },
     "batchserve.api": {
         "batchserve.runner.core", "batchserve.runner.policy", "batchserve.runner.sim",
-        "batchserve.runner", "batchserve.api", "batchserve.api.grpc",
+        "batchserve.runner", "batchserve.api", "batchserve.api.http", "batchserve.api.grpc",
     },
 }
-OPENS_THE_DOORS = {"batchserve.api.worker"}
-"""The modules of api/ that may import a door's folder (api.grpc)."""
+DOORS = ("batchserve.api.http", "batchserve.api.grpc")
+MESSAGES = {"batchserve.api.grpc.messages", "batchserve.api.grpc.descriptor"}
+"""The gRPC protocol's messages, which import nothing else of the project."""
+SPEAK_GRPC = {"batchserve.api.client", "batchserve.api.bench"}
+"""The folders besides the gRPC door that may import `MESSAGES`."""
+OPENS_THE_DOORS = {
+    "batchserve.api.worker": {"batchserve.api.http", "batchserve.api.grpc"},
+    "batchserve.api.cli": {"batchserve.api.http"},
+    "batchserve.api.metric_table": {"batchserve.api.http"},
+}
+"""The modules of api/ that may import a door's folder, and the doors each imports."""
 
 
 def module_files() -> dict[str, Path]:
@@ -115,7 +133,8 @@ def crossings(graph: dict[str, set[str]]) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for name, targets in graph.items():
         folder = folder_of(name, packages)
-        bad = sorted(t for t in targets if folder_of(t, packages) not in ALLOWED[folder])
+        bad = sorted(t for t in targets if folder_of(t, packages) not in ALLOWED[folder]
+                     and not (t in MESSAGES and folder in SPEAK_GRPC))
         if bad:
             found[name] = bad
     return found
@@ -150,7 +169,8 @@ def test_every_module_was_read() -> None:
     assert package_names() == ALLOWED.keys()
     # relative imports resolve to modules that exist, one and two levels up
     assert "batchserve.runner.core.config" in graph["batchserve.runner.dispatcher"]
-    assert "batchserve.runner.core.wire" in graph["batchserve.api.app"]
+    assert "batchserve.runner.core.wire" in graph["batchserve.api.http.app"]
+    assert "batchserve.api.service" in graph["batchserve.api.http.connection"]
     assert "batchserve.runner.core.types" in graph["batchserve.api.client.client"]
 
 
@@ -176,15 +196,36 @@ def test_each_folder_imports_only_the_folders_below_it() -> None:
     assert crossings(import_graph()) == {}
 
 
-def test_only_the_worker_opens_the_grpc_door() -> None:
-    """The exchange, the HTTP door and the supervisor never import the gRPC door: it comes
-    in through `api.service`, as HTTP does, and only the worker process starts it."""
-    opening = {
-        name for name, targets in import_graph().items()
-        if not name.startswith("batchserve.api.grpc")
-        and any(target.startswith("batchserve.api.grpc") for target in targets)
-    }
+def test_only_the_processes_open_the_doors() -> None:
+    """The exchange and the supervisor never import a door: requests come in through
+    `api.service` from either, and only the worker process starts them. The client and the
+    bench take the gRPC messages alone."""
+    packages = package_names()
+    opening = {}
+    for name, targets in import_graph().items():
+        folder = folder_of(name, packages)
+        if folder in DOORS or folder in SPEAK_GRPC:
+            continue
+        doors = {door for door in DOORS
+                 if any(folder_of(target, packages) == door for target in targets)}
+        if doors:
+            opening[name] = doors
     assert opening == OPENS_THE_DOORS
+
+
+def test_the_doors_never_import_each_other() -> None:
+    packages = package_names()
+    crossing = {
+        name: sorted(t for t in targets if folder_of(t, packages) in DOORS
+                     and folder_of(t, packages) != folder_of(name, packages))
+        for name, targets in import_graph().items() if folder_of(name, packages) in DOORS
+    }
+    assert {name: found for name, found in crossing.items() if found} == {}
+
+
+def test_the_grpc_messages_import_only_each_other() -> None:
+    graph = import_graph()
+    assert {name: graph[name] - MESSAGES for name in MESSAGES} == dict.fromkeys(MESSAGES, set())
 
 
 @pytest.mark.parametrize(("importer", "target"), [
@@ -192,12 +233,15 @@ def test_only_the_worker_opens_the_grpc_door() -> None:
     ("batchserve.runner.policy.adaptive", "batchserve.runner.sim.scenario"),
     ("batchserve.runner.sim.simulate", "batchserve.runner.dispatcher"),
     ("batchserve.runner.server", "batchserve.runner.sim.simulate"),
-    ("batchserve.runner.server", "batchserve.api.app"),
+    ("batchserve.runner.server", "batchserve.api.http.app"),
     ("batchserve.api.client.codec", "batchserve.runner.policy.base"),
     ("batchserve.api.client.client", "batchserve.api.errors"),
-    ("batchserve.api.bench.loadgen", "batchserve.api.app"),
+    ("batchserve.api.client.grpc_codec", "batchserve.api.grpc.codec"),
+    ("batchserve.api.bench.loadgen", "batchserve.api.http.app"),
     ("batchserve.api.bench.probe", "batchserve.runner.metrics"),
-    ("batchserve.api.app", "batchserve.api.bench.loadgen"),
+    ("batchserve.api.http.app", "batchserve.api.bench.loadgen"),
+    ("batchserve.api.http.app", "batchserve.api.grpc.server"),
+    ("batchserve.api.grpc.server", "batchserve.api.http.connection"),
     ("batchserve.api.dispatch", "batchserve.api.client.codec"),
     ("batchserve.api.grpc.door", "batchserve.api.client.codec"),
     ("batchserve.api.grpc.server", "batchserve.runner.policy.base"),

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from batchserve.api.app import create_app
 from batchserve.api.client.codec import ServerUnavailable
+from batchserve.api.http.app import create_app
 from batchserve.api.overload import ENGAGED, Gate, Shedder, backlog_s, watch
 from batchserve.runner.core.config import parse
 from benchmarks import retrying

@@ -130,7 +130,7 @@ def test_server_cpu_counts_children_in_new_sessions_and_orphans_of_its_session()
 
 
 @pytest.mark.parametrize(("stack", "step"), [
-    (["process 1:\"x\"", "run (asyncio/runners.py:118)", "handle (api/app.py:200)",
+    (["process 1:\"x\"", "run (asyncio/runners.py:118)", "handle (api/http/app.py:200)",
       "decode_infer (api/protocol.py:312)", "from_json (api/tensors.py:170)"],
      "v2 JSON decode + validate"),
     (["run_forever (asyncio/base_events.py:608)", "_run (asyncio/events.py:84)"],

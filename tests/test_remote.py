@@ -1,6 +1,6 @@
 """Runners on other hosts, played on 127.0.0.1: `batchserve runner` alone on a TCP port, and
 `batchserve serve --api-only` in front of it; the token, TLS with client certificates and the
-handshake's refusals, all with real processes."""
+handshake's refusals, all with real processes; a gRPC call takes the same TLS link."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import tritonclient.grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchserve.runner.core.wire import PROTOCOL_VERSION, Failure, FailureCode, FrameSocket, Hello
-from tests.conftest import BATCHSERVE, START_S, Server, start_server, wait_for
+from tests.conftest import BATCHSERVE, START_S, Server, free_port, start_server, wait_for
 
 RUNNER = """
 {transport}
@@ -35,7 +37,7 @@ runners:
 TOKEN = "0123456789abcdef0123456789abcdef"
 ROWS = [[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]]
 BODY = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 4], "data": ROWS}]}
-Front = Callable[[str, str], Server]
+Front = Callable[..., Server]
 READY = re.compile(r"ready on (tcp:[\d.]+:\d+)")
 STATUS = re.compile(r"metrics and health on (http://[\d.]+:\d+)")
 
@@ -125,9 +127,9 @@ def front(tmp_path: Path) -> Iterator[Front]:
     """`batchserve serve --api-only` with one worker, stopped after the test."""
     servers: list[Server] = []
 
-    def start(transport: str, address: str) -> Server:
+    def start(transport: str, address: str, *args: str) -> Server:
         config = write(tmp_path, "front.yml", transport, f"addresses: [{address}]")
-        server = start_server(config, "--api-only", "--api-workers", "1")
+        server = start_server(config, "--api-only", "--api-workers", "1", *args)
         servers.append(server)
         return server
 
@@ -265,6 +267,23 @@ def test_tls_with_a_client_certificate_serves(
     wait_for(lambda: ready(server), 30, "the front to connect to the TLS runner")
     answer = infer(server)
     assert answer.status_code == 200, answer.text
+    assert tls_runner.logged("(token, TLS)")
+
+
+def test_a_grpc_call_is_answered_over_tls_and_the_token(
+    tls_runner: Runner, folder: Path, front: Front
+) -> None:
+    """The gRPC door takes the same way to a runner as HTTP: here a TLS link with a client
+    certificate and the token."""
+    server = front(api_tls(folder, True), tls_runner.address, "--grpc-port", str(free_port()))
+    wait_for(lambda: ready(server), 30, "the front to connect to the TLS runner")
+    client = tritonclient.grpc.InferenceServerClient(server.grpc)
+    rows = tritonclient.grpc.InferInput("input", [2, 4], "FP32")
+    rows.set_data_from_numpy(np.array(ROWS, np.float32))
+    result = client.infer("iris_clf", [rows], request_id="tls", client_timeout=10)
+    assert result.get_response().id == "tls"
+    assert result.as_numpy("scores").argmax(axis=1).tolist() == [0, 2]
+    client.close()
     assert tls_runner.logged("(token, TLS)")
 
 

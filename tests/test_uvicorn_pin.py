@@ -10,7 +10,7 @@ import pytest
 from packaging.requirements import Requirement
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from batchserve.api import connection
+from batchserve.api.http import connection
 
 ROOT = Path(__file__).resolve().parent.parent
 

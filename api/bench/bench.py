@@ -3,7 +3,9 @@
 Why apart from `batchserve.api.bench.loadgen`: the generator knows HTTP/1.1 and arrival
 schedules but nothing of the Open Inference Protocol; the v2 request body it sends is made from
 the model's metadata (`batchserve.api.bench.requests`, JSON or binary tensors, the way
-`tritonclient.http` would), so any served model is benchmarked by its name alone. This module
+`tritonclient.http` would; or with `--protocol grpc` a `ModelInferRequest` with raw contents,
+sent by `batchserve.api.bench.grpcgen` as `tritonclient.grpc` would), so any served model is
+benchmarked by its name alone, over either door. This module
 is the command line around it: one run per rate of the sweep, the server's own figures read
 around each (`batchserve.api.bench.probe`), the report written as a table, JSON and a plot
 (`report`, `plot`).
@@ -16,23 +18,28 @@ import asyncio
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import get_args
-from urllib.parse import quote
+from typing import Any, Literal, get_args
+from urllib.parse import quote, urlsplit
 
 import numpy as np
 import orjson
 
 from ...runner.core.pyplot import PlotUnavailable
 from . import plot, probe, requests
-from .loadgen import loop_factory, run_load
+from .grpcgen import run_grpc_load
+from .load_result import LoadResult
+from .loadgen import Progress, loop_factory, run_load
 from .progress_bar import ProgressBar
 from .report import Report, Step, markdown, warnings
 from .scrape import Scrape
 from .traffic import Pattern
 
+Protocol = Literal["http", "grpc"]
 DEFAULT_LIMIT_MS = 100.0
+GRPC_PORT = 8001
+"""The gRPC port `--grpc-target` defaults to on `--url`'s host: batchserve's and Triton's."""
 FAILED = 1
 """Exit status when the target cannot be reached or no request at all succeeded."""
 USAGE = 2
@@ -136,7 +143,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit-ms", type=float,
                    help="goodput counts 2xx answers within this many ms (default: the model's "
                    f"max_latency_ms as the server's /metrics state it, else {DEFAULT_LIMIT_MS:g})")
-    p.add_argument("--binary", action="store_true", help="use the v2 binary tensor extension")
+    p.add_argument("--protocol", choices=get_args(Protocol), default="http",
+                   help="the door to load: v2 over HTTP at --url, or the v2 gRPC service at "
+                   "--grpc-target (ModelInfer with raw contents); metadata and /metrics are "
+                   "read from --url either way")
+    p.add_argument("--grpc-target", metavar="HOST:PORT",
+                   help=f"the gRPC service, for --protocol grpc (default: --url's host, port "
+                   f"{GRPC_PORT})")
+    p.add_argument("--channels", type=int, default=8,
+                   help="gRPC channels (HTTP/2 connections) the calls are spread over, for "
+                   "--protocol grpc")
+    p.add_argument("--binary", action="store_true",
+                   help="use the v2 binary tensor extension (HTTP; gRPC is always raw)")
     p.add_argument("--rows", type=int, default=1,
                    help="rows per request, at each batchable input's batch dimension")
     p.add_argument("--elements", type=int, default=16,
@@ -162,8 +180,9 @@ def _parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments argparse cannot check alone, or None."""
     if (not all(map(_positive, (args.rate, args.seconds))) or args.rows < 1
-            or args.elements < 1 or args.connections < 1):
-        return "--rate, --seconds, --rows, --elements, --connections must be positive"
+            or args.elements < 1 or args.connections < 1 or args.channels < 1):
+        return ("--rate, --seconds, --rows, --elements, --connections, --channels must be "
+                "positive")
     if args.limit_ms is not None and not _positive(args.limit_ms):
         return "--limit-ms must be positive"
     if args.plot is not None:
@@ -186,22 +205,14 @@ def _limit(args: argparse.Namespace, reading: Scrape | None) -> tuple[float, str
 
 def _sweep(args: argparse.Namespace, base: str) -> Report:
     """One run per rate, the server's metrics read before and after each."""
-    body, headers = requests.request_body(
-        requests.metadata(base, args.model), rows=args.rows, elements=args.elements,
-        binary=args.binary, seed=args.seed, parameters=dict(args.parameter),
-        shapes=dict(args.shape),
-    )
-    url = f"{base}/v2/models/{quote(args.model, safe='')}/infer"
+    send = _sender(args, base, requests.metadata(base, args.model))
     before = probe.read(base)
     limit_ms, source = _limit(args, before)
     steps = []
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         for i, rate in enumerate(args.sweep or [args.rate]):
             bar = ProgressBar(sys.stderr, f"{rate:g} req/s") if sys.stderr.isatty() else None
-            load = runner.run(run_load(
-                url, body, headers, rate, args.seconds, args.seed + i, args.connections,
-                slo_ms=limit_ms, pattern=args.pattern, progress=bar,
-            ))
+            load = runner.run(send(rate, args.seed + i, limit_ms, bar))
             if bar is not None:
                 bar.close()
             after = _read_after(base)
@@ -209,6 +220,28 @@ def _sweep(args: argparse.Namespace, base: str) -> Report:
                               probe.refusals(before, after, args.model)))
             before = after
     return Report(base, args.model, limit_ms, source, tuple(steps))
+
+
+Send = Callable[[float, int, float, Callable[[Progress], None] | None],
+               Coroutine[Any, Any, LoadResult]]
+"""One run: given its rate, seed, goodput limit and progress bar."""
+
+
+def _sender(args: argparse.Namespace, base: str, described: dict[str, object]) -> Send:
+    """The run of one rate through the door `--protocol` names, its request made once."""
+    shaped = {"rows": args.rows, "elements": args.elements, "seed": args.seed,
+              "parameters": dict(args.parameter), "shapes": dict(args.shape)}
+    if args.protocol == "grpc":
+        body = requests.grpc_request(described, **shaped)
+        target = args.grpc_target or f"{urlsplit(base).hostname}:{GRPC_PORT}"
+        return lambda rate, seed, limit_ms, bar: run_grpc_load(
+            target, body, rate, args.seconds, seed, args.channels, slo_ms=limit_ms,
+            pattern=args.pattern, progress=bar)
+    content, headers = requests.request_body(described, binary=args.binary, **shaped)
+    url = f"{base}/v2/models/{quote(args.model, safe='')}/infer"
+    return lambda rate, seed, limit_ms, bar: run_load(
+        url, content, headers, rate, args.seconds, seed, args.connections, slo_ms=limit_ms,
+        pattern=args.pattern, progress=bar)
 
 
 def _read_after(base: str) -> Scrape | None:

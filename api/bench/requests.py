@@ -30,9 +30,11 @@ from urllib.parse import quote
 import numpy as np
 import orjson
 
+from ..client.codec import ModelMetadata, ServerError
+from ..client.grpc_codec import encode_infer
 from .probe import Unreachable
 
-__all__ = ["RequestError", "metadata", "request_body"]
+__all__ = ["RequestError", "grpc_request", "metadata", "request_body", "request_tensors"]
 
 _WORDS = ("alpha", "batch", "core", "delta", "echo", "frame", "grid", "host", "index", "join")
 _DTYPES = {
@@ -116,12 +118,12 @@ def _request_parameters(params: Mapping[str, Any], given: Mapping[str, Any], mod
     return values
 
 
-def request_body(
-    described: Mapping[str, Any], *, rows: int = 1, elements: int = 16, binary: bool = False,
-    seed: int = 0, parameters: Mapping[str, Any] | None = None,
-    shapes: Mapping[str, list[int]] | None = None,
-) -> tuple[bytes, dict[str, str]]:
-    """A v2 infer request body and its headers for the model `described` by its metadata."""
+def request_tensors(
+    described: Mapping[str, Any], *, rows: int = 1, elements: int = 16, seed: int = 0,
+    parameters: Mapping[str, Any] | None = None, shapes: Mapping[str, list[int]] | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The inputs by name and the request parameters for the model `described` by its
+    metadata, whichever protocol carries them."""
     params = described.get("parameters") or {}
     shapes = shapes or {}
     unknown = sorted(set(shapes) - {tensor["name"] for tensor in described["inputs"]})
@@ -129,13 +131,27 @@ def request_body(
         raise RequestError(f"--shape names {unknown[0]!r}, which is not an input of model "
                            f"{described['name']!r}")
     rng = np.random.default_rng(seed)
-    tensors, blobs = [], []
+    arrays = {}
     for tensor in described["inputs"]:
         shape = shapes.get(tensor["name"]) or _shape(tensor, params, rows, elements)
         empty = tensor.get("parameters", {}).get("batchable") is False
-        array = _data(tensor["datatype"], shape, empty, rng)
-        item: dict[str, Any] = {"name": tensor["name"], "datatype": tensor["datatype"],
-                                "shape": shape}
+        arrays[tensor["name"]] = _data(tensor["datatype"], shape, empty, rng)
+    return arrays, _request_parameters(params, parameters or {}, described["name"])
+
+
+def request_body(
+    described: Mapping[str, Any], *, rows: int = 1, elements: int = 16, binary: bool = False,
+    seed: int = 0, parameters: Mapping[str, Any] | None = None,
+    shapes: Mapping[str, list[int]] | None = None,
+) -> tuple[bytes, dict[str, str]]:
+    """A v2 infer request body and its headers for the model `described` by its metadata."""
+    arrays, values = request_tensors(described, rows=rows, elements=elements, seed=seed,
+                                     parameters=parameters, shapes=shapes)
+    datatypes = {tensor["name"]: tensor["datatype"] for tensor in described["inputs"]}
+    tensors, blobs = [], []
+    for name, array in arrays.items():
+        item: dict[str, Any] = {"name": name, "datatype": datatypes[name],
+                                "shape": list(array.shape)}
         if binary:
             blobs.append(_raw(array))
             item["parameters"] = {"binary_data_size": len(blobs[-1])}
@@ -143,7 +159,6 @@ def request_body(
             item["data"] = _json_data(array)
         tensors.append(item)
     request: dict[str, Any] = {"inputs": tensors}
-    values = _request_parameters(params, parameters or {}, described["name"])
     if binary:
         values["binary_data_output"] = True
     if values:
@@ -154,3 +169,18 @@ def request_body(
     headers = {"Content-Type": "application/octet-stream",
                "Inference-Header-Content-Length": str(len(header))}
     return header + b"".join(blobs), headers
+
+
+def grpc_request(
+    described: Mapping[str, Any], *, rows: int = 1, elements: int = 16, seed: int = 0,
+    parameters: Mapping[str, Any] | None = None, shapes: Mapping[str, list[int]] | None = None,
+) -> bytes:
+    """The same request as a serialized `ModelInferRequest`, its tensors as raw contents (as
+    tritonclient.grpc sends them); its outputs come back raw."""
+    arrays, values = request_tensors(described, rows=rows, elements=elements, seed=seed,
+                                     parameters=parameters, shapes=shapes)
+    try:
+        return encode_infer(described["name"], arrays, ModelMetadata.parse(described), True,
+                            values)
+    except (ServerError, TypeError) as exc:  # metadata not v2's; a parameter gRPC cannot carry
+        raise RequestError(str(exc)) from None

@@ -1,5 +1,6 @@
-"""The Python client for batchserve, or any Open Inference Protocol v2 server over HTTP: its
-front ends in `client`, their shared core without sockets in `codec`. Needs httpx."""
+"""The Python client for batchserve, or any Open Inference Protocol v2 server over HTTP or gRPC:
+its front ends in `client`, their shared core without sockets in `codec`, the ways to the
+server in `transports` (gRPC's messages in `grpc_codec`). Needs httpx."""
 
 from .client import (
     AsyncModelClient,

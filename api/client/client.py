@@ -1,19 +1,23 @@
-"""A Python client for batchserve, or any Open Inference Protocol v2 server over HTTP.
+"""A Python client for batchserve, or any Open Inference Protocol v2 server, over HTTP or gRPC.
 
-Three front ends over one core, `batchserve.api.client.codec`:
+Three front ends over one core, `batchserve.api.client.codec`, and a transport each
+(`batchserve.api.client.transports`: `http://HOST:PORT` or `grpc://HOST:PORT`):
 
     ModelClient          blocking calls; the chunks of a large batch go out on a thread pool
-    AsyncModelClient     the same calls as coroutines, over httpx's async client
+    AsyncModelClient     the same calls as coroutines, over httpx's or grpc.aio's channel
     FuturesModelClient   every call returns a `concurrent.futures.Future` at once
 
-Each reads the model's metadata once (`GET /v2/models/{name}`). A batch with more rows than the
+Each reads the model's metadata once (`GET /v2/models/{name}`, or over gRPC `ModelMetadata`
+and `ModelConfig`). A batch with more rows than the
 server's `max_batch_size` is cut by a chunking strategy (by default into slices along the
 batch dimension), the chunks are sent in parallel (at most `max_workers` at a time), and their
 outputs are joined in order. Every call has a deadline, `timeout_s`: a 503 with `Retry-After`
 is tried again after that delay while the deadline allows, and otherwise raised as
 `ServerUnavailable`; other error answers raise `ServerError` with the server's status and
-message, and a deadline that passes first raises `DeadlineExceeded`. Connection failures raise
-httpx's own `httpx.TransportError`.
+message, and a deadline that passes first raises `DeadlineExceeded`. Over gRPC a status is the
+HTTP status of the same decision (a refusal's reason and delay come in its trailing metadata),
+so the same errors are raised with the same words. Connection failures raise httpx's own
+`httpx.TransportError`, or over gRPC `ServerUnavailable` with gRPC's words and no reason.
 
 Needs httpx: `pip install 'batchserve[client]'`.
 """
@@ -23,14 +27,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Self
-from urllib.parse import quote
+from typing import Any, Self, TypeVar
 
 import numpy as np
-import orjson
 
 from ...runner.core.types import Tensors
 from .codec import (
@@ -42,16 +44,13 @@ from .codec import (
     ServerError,
     ServerUnavailable,
     TensorInfo,
-    check_answer,
-    decode_response,
-    encode_request,
     plan_call,
     split_along,
     split_first_dim,
 )
 
 try:
-    import httpx
+    from .transports import Retry, async_transport, transport
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
         "batchserve.api.client needs httpx: pip install 'batchserve[client]'"
@@ -71,6 +70,8 @@ __all__ = [
     "split_along",
     "split_first_dim",
 ]
+
+_T = TypeVar("_T")
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_WORKERS = 4
@@ -102,10 +103,6 @@ class _Options:
     def deadline(self, timeout_s: float | None) -> float:
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
 
-    @property
-    def metadata_path(self) -> str:
-        return f"/v2/models/{quote(self.model, safe='')}"
-
     def plan(
         self, metadata: ModelMetadata, positional: Sequence[Any], named: Mapping[str, Any],
         sample: bool, parameters: Parameters | None,
@@ -114,27 +111,11 @@ class _Options:
                          max_batch_size=self.max_batch_size, parameters=parameters)
 
 
-_Build = Callable[[float], tuple[bytes, dict[str, str]]]
-"""Encodes an inference request given the seconds left to its deadline."""
-
-
 def _remaining(deadline: float) -> float:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise DeadlineExceeded("the call's deadline passed before the server answered")
     return remaining
-
-
-def _metadata(answer: httpx.Response) -> ModelMetadata:
-    try:
-        document = orjson.loads(answer.content)
-    except orjson.JSONDecodeError:
-        raise ServerError(answer.status_code, "the model metadata is not JSON") from None
-    return ModelMetadata.parse(document)
-
-
-def _timed_out(exc: httpx.TimeoutException) -> DeadlineExceeded:
-    return DeadlineExceeded(f"no answer within the call's deadline ({type(exc).__name__})")
 
 
 # --- the blocking client ------------------------------------------------------------------------
@@ -151,14 +132,14 @@ class ModelClient:
         binary: bool = True, chunking: ChunkingStrategy | None = None,
         max_workers: int = DEFAULT_WORKERS, max_batch_size: int | None = None,
     ) -> None:
-        """`url` is the server's base URL (`http://127.0.0.1:3000`). `binary=False` sends and
-        asks for JSON tensors instead of the binary tensor data extension. `max_batch_size`
-        overrides what the server's metadata says."""
+        """`url` is the server's base URL (`http://127.0.0.1:3000`), or its gRPC service's
+        (`grpc://127.0.0.1:8001`). `binary=False` sends and asks for JSON tensors instead of
+        the binary tensor data extension (over gRPC, typed `contents` instead of raw ones).
+        `max_batch_size` overrides what the server's metadata says."""
         self._options = _Options(
             model, timeout_s, binary, chunking, max_batch_size, max_workers
         )
-        self._http = httpx.Client(base_url=url, timeout=timeout_s)
-        self._path = self._options.metadata_path + "/infer"
+        self._transport = transport(url, model, timeout_s)
         self._lock = threading.Lock()
         self._metadata: ModelMetadata | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -172,14 +153,14 @@ class ModelClient:
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown()
-        self._http.close()
+        self._transport.close()
 
     def metadata(self) -> ModelMetadata:
         """The model's metadata, read from the server at the first call."""
         with self._lock:
             if self._metadata is None:
                 deadline = self._options.deadline(None)
-                self._metadata = _metadata(self._exchange(deadline, None))
+                self._metadata = self._exchange(deadline, self._transport.metadata)
             return self._metadata
 
     def infer_batch(
@@ -227,31 +208,19 @@ class ModelClient:
         metadata = self.metadata()
         binary = self._options.binary
 
-        def build(remaining: float) -> tuple[bytes, dict[str, str]]:
-            return encode_request(inputs, metadata, binary, remaining, parameters)
+        def call(remaining: float) -> Tensors:
+            return self._transport.infer(inputs, metadata, binary, parameters, remaining)
 
-        answer = self._exchange(deadline, build)
-        return decode_response(answer.headers, answer.content)
+        return self._exchange(deadline, call)
 
-    def _exchange(self, deadline: float, build: _Build | None) -> httpx.Response:
-        """GET the metadata (`build` None) or POST an inference, retrying 503s in time."""
+    def _exchange(self, deadline: float, call: Callable[[float], _T]) -> _T:
+        """One call of the transport, given the seconds left, retried while the server
+        refuses with a delay that fits the deadline."""
         while True:
-            remaining = _remaining(deadline)
             try:
-                if build is None:
-                    answer = self._http.get(self._options.metadata_path, timeout=remaining)
-                else:
-                    body, headers = build(remaining)
-                    answer = self._http.post(
-                        self._path, content=body, headers=headers, timeout=remaining
-                    )
-            except httpx.TimeoutException as exc:
-                raise _timed_out(exc) from None
-            delay = check_answer(answer.status_code, answer.headers, answer.content,
-                                 deadline - time.monotonic())
-            if delay is None:
-                return answer
-            time.sleep(delay)
+                return call(_remaining(deadline))
+            except Retry as retry:
+                time.sleep(retry.delay_s)
 
 
 def _gather(
@@ -370,8 +339,7 @@ class AsyncModelClient:
         self._options = _Options(
             model, timeout_s, binary, chunking, max_batch_size, max_workers
         )
-        self._http = httpx.AsyncClient(base_url=url, timeout=timeout_s)
-        self._path = self._options.metadata_path + "/infer"
+        self._transport = async_transport(url, model, timeout_s)
         self._metadata: ModelMetadata | None = None
 
     async def __aenter__(self) -> Self:
@@ -381,12 +349,12 @@ class AsyncModelClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._transport.aclose()
 
     async def metadata(self) -> ModelMetadata:
         if self._metadata is None:  # two first calls at once both read it: harmless
             deadline = self._options.deadline(None)
-            self._metadata = _metadata(await self._exchange(deadline, None))
+            self._metadata = await self._exchange(deadline, self._transport.metadata)
         return self._metadata
 
     async def infer_batch(
@@ -433,28 +401,15 @@ class AsyncModelClient:
         metadata = await self.metadata()
         binary = self._options.binary
 
-        def build(remaining: float) -> tuple[bytes, dict[str, str]]:
-            return encode_request(inputs, metadata, binary, remaining, parameters)
+        async def call(remaining: float) -> Tensors:
+            return await self._transport.infer(inputs, metadata, binary, parameters, remaining)
 
-        answer = await self._exchange(deadline, build)
-        return decode_response(answer.headers, answer.content)
+        return await self._exchange(deadline, call)
 
-    async def _exchange(self, deadline: float, build: _Build | None) -> httpx.Response:
+    async def _exchange(self, deadline: float, call: Callable[[float], Awaitable[_T]]) -> _T:
         """As `ModelClient._exchange`."""
         while True:
-            remaining = _remaining(deadline)
             try:
-                if build is None:
-                    answer = await self._http.get(self._options.metadata_path, timeout=remaining)
-                else:
-                    body, headers = build(remaining)
-                    answer = await self._http.post(
-                        self._path, content=body, headers=headers, timeout=remaining
-                    )
-            except httpx.TimeoutException as exc:
-                raise _timed_out(exc) from None
-            delay = check_answer(answer.status_code, answer.headers, answer.content,
-                                 deadline - time.monotonic())
-            if delay is None:
-                return answer
-            await asyncio.sleep(delay)
+                return await call(_remaining(deadline))
+            except Retry as retry:
+                await asyncio.sleep(retry.delay_s)

@@ -45,7 +45,10 @@ __all__ = [
     "ServerUnavailable",
     "TensorInfo",
     "batch_rows",
+    "binary_data",
+    "bytes_elements",
     "check_answer",
+    "check_error",
     "check_inputs",
     "decode_response",
     "encode_request",
@@ -330,7 +333,7 @@ def encode_request(
             "name": name, "datatype": specs[name].datatype, "shape": list(array.shape),
         }
         if binary:
-            blob = _binary(array)
+            blob = binary_data(array)
             tensor["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
@@ -350,7 +353,7 @@ def encode_request(
     return b"".join([header, *blobs]), headers
 
 
-def _binary(array: np.ndarray) -> bytes | memoryview:
+def binary_data(array: np.ndarray) -> bytes | memoryview:
     """Raw little-endian elements; a BYTES tensor's elements each behind a 4-byte length."""
     if array.dtype == BYTES:
         return b"".join(
@@ -408,23 +411,32 @@ def _bytes_output(
 ) -> tuple[np.ndarray, int]:
     """A BYTES output as an object array of `bytes`, from JSON strings or length-prefixed
     binary data."""
-    elements = np.empty(math.prod(shape), object)
     if size is None:
+        elements = np.empty(math.prod(shape), object)
         elements[:] = [text.encode() for text in item["data"]]
         return elements.reshape(shape), offset
-    end, at = offset + size, offset
+    end = offset + size
+    return bytes_elements(item["name"], shape, content, offset, end), end
+
+
+def bytes_elements(name: str, shape: tuple[int, ...], content: bytes | memoryview, start: int,
+                   end: int) -> np.ndarray:
+    """The BYTES elements of `content[start:end]`, each a 4-byte little-endian length and
+    its bytes, as an object array of `shape`."""
+    elements = np.empty(math.prod(shape), object)
+    at = start
     for index in range(elements.size):
         if at + _LENGTH.size > end:
-            raise ValueError(f"output {item['name']!r} has BYTES data that end at element {index}")
+            raise ValueError(f"output {name!r} has BYTES data that end at element {index}")
         (length,) = _LENGTH.unpack_from(content, at)
         at += _LENGTH.size
         if at + length > end:
-            raise ValueError(f"output {item['name']!r} has BYTES element {index} past its data")
+            raise ValueError(f"output {name!r} has BYTES element {index} past its data")
         elements[index] = bytes(content[at : at + length])
         at += length
     if at != end:
-        raise ValueError(f"output {item['name']!r} has {end - at} bytes past its elements")
-    return elements.reshape(shape), end
+        raise ValueError(f"output {name!r} has {end - at} bytes past its elements")
+    return elements.reshape(shape)
 
 
 # --- error answers and retries ------------------------------------------------------------------
@@ -438,9 +450,17 @@ def check_answer(
     if 200 <= status < 300:
         return None
     message, reason = _error_body(content)
+    return check_error(status, message, reason, retry_after(headers.get("Retry-After")),
+                       remaining_s)
+
+
+def check_error(status: int, message: str, reason: str | None, delay: float | None,
+                remaining_s: float) -> float:
+    """An error answer of either transport, as its HTTP status, the server's words, the
+    reason it names and its retry delay: the seconds to wait before trying again when it is
+    a 503 whose delay fits in the `remaining_s` of the deadline; else raised."""
     if status != 503:
         raise ServerError(status, message)
-    delay = retry_after(headers.get("Retry-After"))
     if delay is None:
         raise ServerUnavailable(message, None, " (no Retry-After: not retried)", reason)
     if delay >= remaining_s:

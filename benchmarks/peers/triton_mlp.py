@@ -4,13 +4,15 @@ PyTriton (pip ``nvidia-pytriton``) runs a real ``tritonserver`` whose Python bac
 hands each dynamic batch to this process's ``infer``: Triton's C++ HTTP front and batcher,
 the model in Python as in every other peer. The stub links against the interpreter's own
 libpython, so ``LD_LIBRARY_PATH`` gets that interpreter's ``sysconfig`` LIBDIR before Triton
-starts. Run inside ``.peers/triton/`` as ``python -m benchmarks.peers.triton_mlp --port PORT``.
+starts. Run inside ``.peers/triton/`` as ``python -m benchmarks.peers.triton_mlp --port PORT``;
+``--grpc-port G`` serves Triton's own gRPC endpoint there (``with_grpc``), else on a free port.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import socket
 import sysconfig
@@ -39,6 +41,13 @@ PEER = Peer(
 )
 
 
+def with_grpc(port: int) -> Peer:
+    """The same peer with Triton's gRPC endpoint on ``port`` (`benchmarks.grpc_cost` loads it):
+    an explicit port, since the one after the HTTP port may be taken."""
+    return dataclasses.replace(PEER, argv=lambda python, http: [
+        *PEER.argv(python, http), "--grpc-port", str(port)])
+
+
 def free_port() -> int:
     """A port nothing listens on now, as the system hands one out."""
     with socket.socket() as probe:
@@ -55,7 +64,7 @@ with contextlib.suppress(ImportError):  # pytriton exists only in its own venv
 
     from benchmarks.peers.peer import load_mlp
 
-    def serve(port: int) -> None:
+    def serve(port: int, grpc_port: int) -> None:
         model = load_mlp()
 
         @batch  # type: ignore[misc]
@@ -63,10 +72,11 @@ with contextlib.suppress(ImportError):  # pytriton exists only in its own venv
             with torch.inference_mode():
                 return {"y": model(torch.from_numpy(x)).numpy()}  # type: ignore[operator]
 
-        # gRPC and metrics on ports the system picks free: the ones after the HTTP port
-        # may be taken, by a server of an earlier round still letting them go.
+        # gRPC (unless given) and metrics on ports the system picks free: the ones after the
+        # HTTP port may be taken, by a server of an earlier round still letting them go.
         config = TritonConfig(http_address="127.0.0.1", http_port=port,
-                              grpc_port=free_port(), metrics_port=free_port())
+                              grpc_address="127.0.0.1", grpc_port=grpc_port,
+                              metrics_port=free_port())
         with Triton(config=config) as triton:
             triton.bind(
                 model_name="mlp",
@@ -82,11 +92,12 @@ with contextlib.suppress(ImportError):  # pytriton exists only in its own venv
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
-    port = parser.parse_args().port
+    parser.add_argument("--grpc-port", type=int, default=0, help="0: a free one")
+    args = parser.parse_args()
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
         p for p in (libdir, os.environ.get("LD_LIBRARY_PATH", "")) if p)
-    serve(port)
+    serve(args.port, args.grpc_port or free_port())
 
 
 if __name__ == "__main__":

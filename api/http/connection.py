@@ -30,8 +30,8 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from . import service as inference
-from .errors import PayloadTooLarge
+from .. import service as inference
+from ..errors import PayloadTooLarge
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 

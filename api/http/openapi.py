@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from ..runner.core.config import Config, RunnerConfig, TensorSpec
+from ...runner.core.config import Config, RunnerConfig, TensorSpec
 
 JSON = "application/json"
 ERROR = {"$ref": "#/components/schemas/Error"}

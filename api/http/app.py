@@ -1,7 +1,7 @@
 """The ASGI application: the v2 routes over the runner pools.
 
 Inference is answered by `batchserve.api.service`; in a worker, its HTTP connections
-(`batchserve.api.connection`) hand inference requests to the service directly and bring only
+(`batchserve.api.http.connection`) hand inference requests to the service directly and bring only
 the other routes here, through Starlette. `App` also answers inference itself, over ASGI, for
 callers that run the app in-process (tests, `httpx.ASGITransport`).
 
@@ -28,13 +28,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from ..runner.core.config import Config, RunnerConfig
-from ..runner.core.security import Credentials
-from ..runner.core.wire import Address
-from ..runner.metrics import SECONDS_BUCKETS, registry
-from . import openapi, protocol, statistics, triton
-from .dispatch import NO_KEYS
-from .errors import (
+from ...runner.core.config import Config, RunnerConfig
+from ...runner.core.security import Credentials
+from ...runner.core.wire import Address
+from ...runner.metrics import SECONDS_BUCKETS, registry
+from .. import protocol, statistics, triton
+from ..dispatch import NO_KEYS
+from ..errors import (
     BadRequest,
     BatchserveError,
     MethodNotAllowed,
@@ -42,8 +42,9 @@ from .errors import (
     RouteNotFound,
     error_response,
 )
-from .overload import watch
-from .service import Service, infer_target
+from ..overload import watch
+from ..service import Service, infer_target
+from . import openapi
 
 log = logging.getLogger(__name__)
 
