@@ -50,7 +50,7 @@ STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("v2 reply encode", ("encode_infer", "output_json", "output_data", "output_array")),
     ("API: dispatch to runner (pool, link)", ("api/dispatch.py",)),
     ("API: the exchange (admission, answer, response)",
-     ("api/service.py", "api/connection.py", "api/backlog.py", "api/overload.py",
+     ("api/service.py", "api/http/connection.py", "api/backlog.py", "api/overload.py",
       "api/reserve.py", "api/admission.py", "api/errors.py")),
     ("metrics", ("prometheus_client", "runner/metrics.py")),
     ("API: app, routing (Starlette)", ("api/http/app.py", "starlette/")),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import os
 import re
@@ -153,15 +154,16 @@ def test_counters_add_up_across_two_workers_and_a_replaced_runner(
     seen = traffic(server.url) + traffic(server.url, rounds=2, stalls=False)
     # Which runner process each stalling request lands on is random, and with it whether
     # one queued behind a stall expires: more stalled rounds, until both reasons are seen.
+    check = functools.partial(mismatches, server, seen, logs)
     for _ in range(MORE_STALLED_ROUNDS):
-        settle(lambda: mismatches(server, seen, logs))  # the batch log is flushed every second
+        settle(check)  # the batch log is flushed every second
         samples = scrape(server)
         if all(total(samples, "batchserve_rejections_total", reason=reason) > 0
                for reason in ("queue", "expired")):
             break
-        seen += traffic(server.url, rounds=1)
+        seen.update(traffic(server.url, rounds=1))
     assert seen[200] and seen[503] and not seen[NO_ANSWER], seen
-    settle(lambda: mismatches(server, seen, logs))
+    settle(check)
     samples = scrape(server)
     assert total(samples, "batchserve_rejections_total", reason="queue") > 0
     assert total(samples, "batchserve_rejections_total", reason="expired") > 0

@@ -138,7 +138,7 @@ def test_server_cpu_counts_children_in_new_sessions_and_orphans_of_its_session()
     (["serve (runner/server.py:196)", "forward (torch/nn/modules/linear.py:125)"],
      "model forward (torch)"),
     (["data_received (uvicorn/protocols/http/httptools_impl.py:170)",
-      "on_headers_complete (api/connection.py:194)", "admit (api/service.py:319)"],
+      "on_headers_complete (api/http/connection.py:194)", "admit (api/service.py:319)"],
      "API: the exchange (admission, answer, response)"),
     (["main (<string>:1)"], OTHER),
 ])
