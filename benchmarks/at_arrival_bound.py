@@ -3,6 +3,7 @@ true cost: the targets against BentoML's rule set against a frontier, not only a
 adaptive policy.
 
     python -m benchmarks.at_arrival_bound [SCENARIO ...] [--reserves 0,0.5,1,2,3] [--seed N]
+    python -m benchmarks.at_arrival_bound --doc docs/dispatcher.md [--seed N] [--workers N]
 
 The refusal-wait target (p99 within 10% of the limit) leaves a policy on a tight limit no time
 to wait for the batch running when a request arrives: it must decide at once. `KnownLinePolicy`
@@ -20,6 +21,10 @@ make late, as BentoML does. Each row gives the refusal wait p99 beside goodput a
 
 Only scenarios whose cost is a plain line with lognormal noise qualify (no replay, contention,
 tail or stalls): for those the truth is known in closed form.
+
+`--doc FILE` runs every bundled scenario with and without noise and puts one table, the
+adaptive policy against the known-line frontier, between the lines `<!-- at-arrival-bound:
+start -->` and `<!-- at-arrival-bound: end -->` of FILE (`summary`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import math
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,6 +43,7 @@ from batchserve.runner.policy.base import Batch, Policy, PolicyStats, Request, S
 from batchserve.runner.policy.latency_model import RateEstimator
 from batchserve.runner.sim.scenario import Cost, Scenario, load_scenario
 from batchserve.runner.sim.simulate import Result, simulate
+from benchmarks.live_table import replace_block
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 DEFAULT_SCENARIOS = ("tight_12ms", "tight_slo", "bursts")
@@ -45,6 +52,9 @@ RATE_TAU_S = 0.1
 LATE_FLOOR = 0.001
 DECIDE_WITHIN = 0.1
 """How long a deferred decision may wait, as a share of the limit: the refusal-wait target."""
+DOC_START = "<!-- at-arrival-bound: start -->"
+DOC_END = "<!-- at-arrival-bound: end -->"
+WORKERS = 2
 
 
 class KnownLinePolicy(WithoutModel):
@@ -289,6 +299,64 @@ def frontier(
     return out + [""] + bests + [""]
 
 
+def variants() -> list[Scenario]:
+    """Every bundled scenario as it is and without noise (a replay has no noise to take
+    away), in name order."""
+    out = []
+    for path in sorted(SCENARIOS.glob("*.yml")):
+        scenario = load_scenario(path)
+        out.append(scenario)
+        if any(phase.cost.noise > 0.0 for phase in scenario.phases):
+            out.append(without_noise(scenario))
+    return out
+
+
+def _best(runs: Iterable[Result], bound: float) -> Result | None:
+    kept = [run for run in runs if _late(run) <= bound]
+    return max(kept, key=lambda run: run.goodput_rps, default=None)
+
+
+def summary_row(scenario: Scenario, seed: int) -> str:
+    """One row of `summary`: the adaptive policy and BentoML's rule, and the best goodput of
+    the known line within 0.1% late, within the adaptive policy's own lateness (the target's
+    frontier, `benchmarks.targets`) and within BentoML's."""
+    adaptive = simulate(scenario, "adaptive", seed=seed)
+    bento = simulate(scenario, "bentoml", seed=seed)
+    head = (f"| {scenario.name} | {100 * _late(adaptive):.3f} | {adaptive.goodput_rps:.1f} | "
+            f"{100 * _late(bento):.3f} | {bento.goodput_rps:.1f} |")
+    if any(phase.cost.inflated for phase in scenario.phases):
+        return head + " no frontier | | | |"
+    runs = [known_line(scenario, r, seed) for r in RESERVES]
+    cells = []
+    for bound in (LATE_FLOOR, max(LATE_FLOOR, _late(adaptive)), max(LATE_FLOOR, _late(bento))):
+        best = _best(runs, bound)
+        cells.append("-" if best is None or not best.goodput_rps
+                     else f"{adaptive.goodput_rps / best.goodput_rps:.3f}")
+    floor = _best(runs, LATE_FLOOR)
+    known = "-" if floor is None else f"{floor.goodput_rps:.1f} ({100 * _late(floor):.3f})"
+    return head + f" {known} | " + " | ".join(cells) + " |"
+
+
+def summary(seed: int = 1, workers: int = WORKERS) -> str:
+    """Every bundled scenario, with and without noise: the adaptive policy (refusing at
+    arrival) beside BentoML's rule and the known-line frontier, on the same arrivals."""
+    chosen = variants()
+    with ProcessPoolExecutor(workers) as pool:
+        rows = list(pool.map(summary_row, chosen, [seed] * len(chosen)))
+    return "\n".join([
+        f"Seed {seed}; known line: `KnownLinePolicy` at reserves "
+        + ", ".join(f"{r:g}" for r in RESERVES) + " sigmas, its best goodput within each "
+        "lateness; the last three columns are the adaptive policy's goodput over that best.",
+        "",
+        "| scenario | adaptive late % | adaptive goodput req/s | BentoML late % "
+        "| BentoML goodput req/s | known line within 0.1% late: goodput (late %) "
+        "| adaptive / known line, within 0.1% | ... within max(0.1%, adaptive's) "
+        "| ... within max(0.1%, BentoML's) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+    ])
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.at_arrival_bound",
                                      description=__doc__.split("\n\n")[0])
@@ -301,7 +369,17 @@ def main(argv: list[str]) -> int:
                         help="the share of the limit a deferred decision may wait "
                              f"(default {DECIDE_WITHIN:g}, the refusal-wait target; 1 settles "
                              "each request when the batch running at its arrival ends)")
+    parser.add_argument("--doc", type=Path,
+                        help="write the summary of every bundled scenario, with and without "
+                             f"noise, between {DOC_START!r} and {DOC_END!r} of this file")
+    parser.add_argument("--workers", type=int, default=WORKERS,
+                        help="processes for --doc (default 2)")
     args = parser.parse_args(argv)
+    if args.doc is not None:
+        table = summary(args.seed, args.workers)
+        print(table)
+        replace_block(args.doc, table, DOC_START, DOC_END)
+        return 0
     reserves = tuple(float(part) for part in args.reserves.split(","))
     for name in args.scenarios:
         path = Path(name) if name.endswith((".yml", ".yaml")) else SCENARIOS / f"{name}.yml"

@@ -120,16 +120,16 @@ class Server:
         return reasons({**self.unavailable, **other})
 
 
-def server_window(before: Scrape, after: Scrape) -> Server:
+def server_window(before: Scrape, after: Scrape, runner: str = MODEL) -> Server:
     def by(name: str, label: str) -> dict[str, float]:
-        return delta(before.by_label(name, label, runner=MODEL),
-                     after.by_label(name, label, runner=MODEL))
+        return delta(before.by_label(name, label, runner=runner),
+                     after.by_label(name, label, runner=runner))
 
     def grown(name: str) -> int:
-        return round(after.total(name, runner=MODEL) - before.total(name, runner=MODEL))
+        return round(after.total(name, runner=runner) - before.total(name, runner=runner))
 
     size = "batchserve_adaptive_batch_size"
-    model = {key: after.maximum(name, runner=MODEL) for key, name in GAUGES.items()}
+    model = {key: after.maximum(name, runner=runner) for key, name in GAUGES.items()}
     return Server(codes=by("batchserve_requests_total", "code"),
                   unavailable=by("batchserve_unavailable_total", "reason"),
                   rejections=by("batchserve_rejections_total", "reason"),

@@ -58,6 +58,13 @@ def paced_rows(x: np.ndarray) -> np.ndarray:
     return x[:, :1]
 
 
+def steady_rows(x: np.ndarray) -> np.ndarray:
+    """Each row's first value, after 3 ms plus 0.8 ms a row per batch spent waiting: a steady
+    model, whose batch time never varies (`benchmarks.steady_live`)."""
+    time.sleep(0.003 + 0.0008 * x.shape[0])
+    return x[:, :1]
+
+
 def stall_echo(x: np.ndarray) -> np.ndarray:
     """Echoes its input; a batch holding a -1 stalls for 200 ms first, one holding a -2 for a
     second (faults injected)."""

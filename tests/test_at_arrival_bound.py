@@ -18,6 +18,8 @@ from benchmarks.at_arrival_bound import (
     frontier,
     known_line,
     main,
+    summary_row,
+    variants,
     without_noise,
 )
 from benchmarks.targets import frontier_point, late_share
@@ -132,3 +134,23 @@ def test_the_frontier_point_at_our_lateness_is_the_boldest_run_that_late() -> No
     bold, careful = (known_line(scenario, r) for r in (0.0, 3.0))
     assert frontier_point([bold, careful], late_share(careful)) is careful
     assert frontier_point([bold, careful], late_share(bold)) is bold
+
+
+def test_the_summary_takes_every_scenario_with_and_without_its_noise() -> None:
+    names = [scenario.name for scenario in variants()]
+    assert "tight_12ms" in names and "tight_12ms (no noise)" in names
+    assert "replay_mlp" in names and "replay_mlp (no noise)" not in names  # nothing to take
+
+
+def test_a_summary_row_sets_the_adaptive_policy_against_the_frontier() -> None:
+    row = summary_row(without_noise(_short("tight_slo", 3.0)), 1)
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert len(cells) == 9 and cells[0] == "tight_slo (no noise)"
+    assert float(cells[1]) == 0.0  # late % of the adaptive policy: no noise, no bias
+    assert all(float(cell) > 0.9 for cell in cells[6:])
+
+
+def test_a_cost_with_inflated_batch_times_has_no_frontier_in_the_summary() -> None:
+    scenario = load_scenario(SCENARIOS / "stalls.yml")
+    scenario = replace(scenario, phases=(replace(scenario.phases[0], seconds=1.0),))
+    assert "no frontier" in summary_row(scenario, 1)

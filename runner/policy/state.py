@@ -60,9 +60,15 @@ class Waiting:
     """Rows promised to the next batch, past the cap (`AdaptivePolicy._stretch_next`)."""
     probe: int = -1
     """The id of the last request an idle model admitted on its cost curve alone."""
+    ordered: bool = True
+    """Every waiting request's deadline is at least that of the one before it (requests of
+    one limit, as a runner's mostly are)."""
 
     def add(self, request: Request, cap: int) -> None:
-        self.requests.append(request)
+        requests = self.requests
+        if requests and request.deadline < requests[-1].deadline:
+            self.ordered = False
+        requests.append(request)
         self.rows += request.rows
         group = request.group
         self.group_rows[group] = self.group_rows.get(group, 0) + request.rows
@@ -77,6 +83,25 @@ class Waiting:
             self.group_rows[request.group] = left
         else:
             del self.group_rows[request.group]
+        if not self.requests:
+            self.ordered = True
+
+    def earliest(self, group: tuple[str, ...], rows: int) -> float:
+        """The earliest deadline among `group`'s newest requests holding `rows` rows: those
+        of the batch a request joining the queue now would share. O(1) for requests of one
+        row, one group and deadlines in order; else O(those requests)."""
+        requests = self.requests
+        if self.ordered and self.rows == len(requests) and self.only(group):
+            return requests[-rows].deadline if 0 < rows <= len(requests) else math.inf
+        earliest, left = math.inf, rows
+        for request in reversed(requests):
+            if request.group != group:
+                continue
+            earliest = min(earliest, request.deadline)
+            left -= request.rows
+            if left <= 0:
+                break
+        return earliest
 
     def only(self, group: tuple[str, ...]) -> bool:
         """Whether every waiting row is `group`'s (true of an empty queue too)."""
