@@ -3,7 +3,7 @@ true cost: the targets against BentoML's rule set against a frontier, not only a
 adaptive policy.
 
     python -m benchmarks.at_arrival_bound [SCENARIO ...] [--reserves 0,0.5,1,2,3] [--seed N]
-    python -m benchmarks.at_arrival_bound --doc docs/dispatcher.md [--seed N] [--workers N]
+    python -m benchmarks.at_arrival_bound --doc docs/dispatcher-results.md [--seed N] [--workers N]
 
 The refusal-wait target (p99 within 10% of the limit) leaves a policy on a tight limit no time
 to wait for the batch running when a request arrives: it must decide at once. `KnownLinePolicy`

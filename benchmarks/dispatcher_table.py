@@ -1,4 +1,4 @@
-"""One command for the dispatcher results in docs/dispatcher.md.
+"""One command for the dispatcher results in docs/dispatcher-results.md.
 
     python -m benchmarks.dispatcher_table [--scenarios DIR] [--json FILE] [--skip-capacity]
                                           [--skip-grid] [--seeds N] [--workers N]

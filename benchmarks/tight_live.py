@@ -1,7 +1,7 @@
 """The live tight-limit check: the simulator's `tight_12ms` on the real server, in both
 refusal modes, under both load clients.
 
-    python -m benchmarks.tight_live [--rounds 2] [--seconds 20] [--doc docs/dispatcher.md]
+    python -m benchmarks.tight_live [--rounds 2] [--seconds 20] [--doc docs/dispatcher-results.md]
 
 The model (`paced_rows` in `tests/fixture_models.py`) takes 5 ms plus 0.5 ms a row per
 batch, spent sleeping, as `benchmarks/scenarios/tight_12ms.yml` says; one runner of it serves
