@@ -3,6 +3,7 @@ and served by a real server."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from batchserve.api.bench import bench
 from batchserve.api.client import ModelClient
 from batchserve.runner.core.config import load
 from batchserve.runner.encoder import LONGEST, Encoder
@@ -115,3 +117,13 @@ def test_a_server_on_the_examples_answers_an_image_and_a_sequence(examples: Serv
     assert out["shape"] == [1, 256]
     np.testing.assert_allclose(np.array(out["data"], np.float32),
                                run(Encoder(), *ragged([tokens]))[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("model", "flags"), [("resnet", ["--binary"]), ("encoder", [])])
+def test_the_bench_loads_the_example_models(examples: Server, model: str, flags: list[str],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--url", examples.url, "--model", model, "--rate", "4", "--seconds", "0.5",
+            "--json", *flags]
+    assert bench.main(argv) == 0
+    (step,) = json.loads(capsys.readouterr().out)["steps"]
+    assert step["sent"] == step["status_counts"]["200"] > 0
