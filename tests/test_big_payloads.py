@@ -7,18 +7,23 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import tracemalloc
 from typing import Any
 
 import httpx
 import numpy as np
 import orjson
 import pytest
+import torch
 import yaml
 
 from batchserve.api import protocol
 from batchserve.api.app import create_app
 from batchserve.api.service import OFF_LOOP_BYTES
+from batchserve.runner import batching
+from batchserve.runner.core import wire
 from batchserve.runner.core.config import RunnerConfig, parse
+from batchserve.runner.models import Model
 
 IMAGES = """
 runners:
@@ -133,3 +138,81 @@ def test_a_binary_image_is_judged_on_its_decoding_too() -> None:
     error = answer.json()["error"]
     assert re.match(DECODE.format(limit=0.001), error), error
     assert "binary tensor extension" not in error  # it is binary already
+
+
+def allocated_while(work: Any) -> tuple[Any, int]:
+    """What `work()` returns and the most memory it held at once beyond what it started with
+    (numpy's buffers included: they are traced)."""
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        result = work()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return result, peak - start
+
+
+def received(chunks: wire.Chunks) -> bytearray:
+    """The frame body a runner process reads from `chunks` as its socket delivers them: one
+    copy, from the socket into the body (the kernel's, in a real read)."""
+    reader = wire.FrameReader()
+    bodies: list[bytearray] = []
+    for chunk in chunks:
+        bodies += reader.feed(bytes(chunk))
+    (body,) = bodies
+    return body
+
+
+class Capture(torch.nn.Module):
+    """A model that keeps the tensor it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.given: list[torch.Tensor] = []
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self.given.append(images)
+        return torch.zeros(images.shape[0], 1000)
+
+
+def test_an_image_is_copied_once_on_its_way_from_the_request_body_to_the_model() -> None:
+    """A binary image is a view of the request body once decoded, and of that again in the
+    frame written to the runner; the runner reads the frame into one buffer (the one copy,
+    from one process to the other) and its model gets a view of that. Only joining several
+    requests into one batch copies again, as it must."""
+    runner = parse(yaml.safe_load(IMAGES.format(limit_ms=300))).runners["resnet"]
+    array = image()
+    body, headers = binary_body(array)
+    header_length = int(headers["Inference-Header-Content-Length"])
+
+    def send() -> tuple[np.ndarray, wire.Chunks]:
+        call = protocol.decode_infer(body, header_length, runner)
+        return call.inputs["images"], wire.encode(wire.Call(1, 0.3, 1, call.inputs))
+
+    (decoded, chunks), sent_bytes = allocated_while(send)
+    assert np.shares_memory(decoded, np.frombuffer(body, np.uint8))
+    (data,) = [chunk for chunk in chunks if len(chunk) >= array.nbytes]
+    assert np.shares_memory(np.frombuffer(data, np.uint8), decoded)
+    assert sent_bytes < array.nbytes / 10
+
+    frame = received(chunks)
+
+    def run() -> tuple[np.ndarray, Any]:
+        message = wire.decode(frame)
+        assert isinstance(message, wire.Call)
+        tensors = message.tensors
+        joined = batching.join([tensors], 0)
+        return tensors["images"], joined
+
+    (arrived, joined), runner_bytes = allocated_while(run)
+    assert np.shares_memory(arrived, np.frombuffer(frame, np.uint8))
+    assert joined["images"] is arrived and runner_bytes < array.nbytes / 10
+    np.testing.assert_array_equal(arrived, array)
+    capture = Capture()
+    Model(runner, capture, torch=True)(joined)
+    (given,) = capture.given
+    assert given.data_ptr() == arrived.ctypes.data  # torch.from_numpy: the same memory
+
+    two = batching.join([{"images": arrived}, {"images": arrived}], 0)["images"]
+    assert not np.shares_memory(two, arrived)  # a batch of several is one new buffer
