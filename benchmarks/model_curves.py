@@ -1,9 +1,10 @@
 """Batch time against batch size for the example models (`examples/models.yml`), offline.
 
 Times `resnet` (images) and `encoder` (sequences of `--tokens` ids) at batch sizes 1 to
-`--largest` on `--threads` torch threads, wall and calling-thread CPU time (the latency
-model fits the latter), then fits the latency model's line (`intercept + slope * n`, least
-squares over every size) and prints the fit against what was observed at each size:
+`--largest` on `--threads` torch threads: wall time, the calling thread's CPU time (what the
+latency model fits) and the whole process's (every torch thread's), then fits the latency
+model's line (`intercept + slope * n`, least squares over every size) and prints the fit
+against what was observed at each size:
 
     python -m benchmarks.model_curves --threads 2 --largest 32
 """
@@ -36,25 +37,26 @@ def sequences(tokens: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
 
 
 def time_batch(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], repeats: int
-               ) -> tuple[float, float]:
-    """The least wall and calling-thread CPU seconds of `repeats` calls: on shared cores
-    the least is the closest to what the batch costs alone."""
-    walls, cpus = [], []
+               ) -> tuple[float, float, float]:
+    """The least wall, calling-thread CPU and process CPU seconds of `repeats` calls: on
+    shared cores the least is the closest to what the batch costs alone."""
+    walls, cpus, processes = [], [], []
     with torch.inference_mode():
         model(*inputs)
         for _ in range(repeats):
-            wall, cpu = time.perf_counter(), time.thread_time()
+            wall, cpu, process = time.perf_counter(), time.thread_time(), time.process_time()
             model(*inputs)
             cpus.append(time.thread_time() - cpu)
+            processes.append(time.process_time() - process)
             walls.append(time.perf_counter() - wall)
-    return min(walls), min(cpus)
+    return min(walls), min(cpus), min(processes)
 
 
 def curve(name: str, model: torch.nn.Module, make: Callable[[int], tuple[torch.Tensor, ...]],
           sizes: list[int], repeats: int) -> None:
     timed = [time_batch(model, make(n), repeats) for n in sizes]
     rows = np.array(sizes, float)
-    for label, column in (("wall", 0), ("cpu", 1)):
+    for label, column in (("wall", 0), ("thread cpu", 1), ("process cpu", 2)):
         ms = np.array([t[column] * 1000 for t in timed])
         intercept, slope = weighted_line(rows, ms, np.ones_like(rows))
         print(f"\n{name} ({label}): fit {intercept:.2f} ms + {slope:.2f} ms x n")
