@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from batchserve.api import cli
 from batchserve.api.bench import bench
 from batchserve.api.client import ModelClient
 from batchserve.runner.core.config import load
@@ -77,7 +78,10 @@ def test_encoder_cuts_a_sequence_at_its_longest() -> None:
                                   run(model, *ragged([long[:LONGEST]])))
 
 
-def test_the_example_configuration_loads() -> None:
+def test_the_example_configuration_validates(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["validate", str(CONFIG)]) == 0  # every model imports
+    assert capsys.readouterr().out.endswith(
+        "valid (3 runner(s): resnet, resnet_uint8, encoder)\n")
     config = load(CONFIG)
     assert list(config.runners) == ["resnet", "resnet_uint8", "encoder"]
     assert config.runners["resnet"].batching.max_latency_ms == 300
