@@ -8,6 +8,12 @@ request costs no task, no timer and no event-loop turn of its own. Whoever carri
 exchange (`batchserve.api.http.connection` in a worker, the ASGI app in-process) hands the body in
 and gets the answer through `Respond`.
 
+A JSON body of `OFF_LOOP_BYTES` or more is the exception: it is decoded on the service's
+decoding thread, and the request goes on from a callback on the loop once it is. Its decoding
+takes milliseconds a megabyte, time in which the loop would answer nobody else; on the thread
+the loop gets the interpreter back between the decoder's steps (a step, such as orjson
+reading the whole body, still holds it: binary tensors are the answer for big ones).
+
 HTTP and gRPC are two doors into this one exchange: `Exchange` reads a v2 JSON or binary body
 and writes its answer; the gRPC door (`batchserve.api.grpc.door`) subclasses it to read a
 `ModelInferRequest` and write a `ModelInferResponse`, and everything between (admission,
@@ -30,6 +36,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -67,6 +74,9 @@ VERSION = "1"
 Respond = Callable[[int, bytes, Mapping[str, str]], None]
 """Writes one answer: status, body, headers. Called exactly once per request."""
 ExchangeT = TypeVar("ExchangeT", bound="Exchange")
+
+OFF_LOOP_BYTES = 1 << 20
+"""JSON bodies from this size on are decoded off the event loop (some 5 ms a megabyte)."""
 
 PROTOCOLS = ("http", "grpc")
 """The doors a request comes through: the `protocol` label of the request metrics."""
@@ -191,6 +201,14 @@ class Service:
         }
         # Called with every publish and at a stop: the gRPC door's health statuses.
         self.listeners: list[Callable[[], None]] = []
+        self._decoder: ThreadPoolExecutor | None = None  # made for the first large JSON body
+
+    @property
+    def decoder(self) -> ThreadPoolExecutor:
+        """The one thread that decodes large JSON bodies, one at a time."""
+        if self._decoder is None:
+            self._decoder = ThreadPoolExecutor(1, thread_name_prefix="batchserve-decode")
+        return self._decoder
 
     def publish(self) -> None:
         """This worker's live gauges (calls in flight, runner processes connected), and the
@@ -371,7 +389,7 @@ class Exchange:
 
     def run(self, body: bytes, header_length: str | None) -> None:
         """Decode the body and send it to a runner process; answered when that answers."""
-        service, runner = self.service, self.runner
+        runner = self.runner
         assert runner is not None and not self.done
         try:
             # The deadline runs from the whole request's arrival: its upload is the client's.
@@ -381,36 +399,77 @@ class Exchange:
             if rate is not None and (least_s := rate.least_s(len(body))) > limit:
                 raise admission.too_large_on_arrival(
                     runner.name, len(body), least_s, runner.batching.max_latency_ms)
+            if rate is not None and len(body) >= OFF_LOOP_BYTES:
+                self._decode_off_loop(body, runner, rate, arrived)
+                return
             # Only a large body's decoding is measured: a small one's is the fixed cost of any
             # request, which the reserve covers (and reading a thread's CPU clock is a system
             # call: two a request, for nothing).
             large = len(body) >= admission.LEARN_BYTES
             cpu = time.thread_time() if large else 0.0
             call = self.call = self.decode(body, header_length, runner)
-            spent_s = 0.0
-            if large:
-                spent_s = time.thread_time() - cpu
-                self._judge_decoding(call, len(body), spent_s, rate)
-            if call.timeout_s is not None:
-                limit = min(limit, call.timeout_s)
-            self.sent = time.monotonic()
-            self.budget_s = (limit - (self.sent - arrived)
-                             - service.reserves[runner.name].seconds(limit))
-            if self.budget_s <= 0:
-                raise Unavailable(
-                    f"the request's deadline passed before it reached {runner.name!r}",
-                    reason="late")
-            pool = service.pools[runner.name]
-            link = pool.pick()
-            self._refuse_on_backlog(link.backlog, self.budget_s, self.sent)
-            # A runner answers by the call's deadline, or by its batch time limit once the
-            # call is in a batch; the slack only bounds a runner process that hangs as a whole.
-            wait_s = runner.batch_timeout_s + service.config.timeouts.call_slack_s
-            pool.submit(call.inputs, call.rows, self.budget_s, call.group, wait_s, self.answered,
-                        spent_s, link)
-            service.waiting[runner.name] += 1
+            spent_s = time.thread_time() - cpu if large else 0.0
+            self._send(call, len(body), spent_s, rate, arrived)
         except Exception as exc:
             self.fail(exc)
+
+    def _decode_off_loop(self, body: bytes, runner: RunnerConfig,
+                         rate: admission.DecodeRate, arrived: float) -> None:
+        """Decode a large JSON body on the service's decoding thread; go on on the loop."""
+        loop = asyncio.get_running_loop()
+
+        def decode() -> None:  # on the decoding thread
+            cpu = time.thread_time()
+            try:
+                outcome: protocol.InferRequest | Exception = self.decode(body, None, runner)
+            except Exception as exc:
+                outcome = exc
+            spent_s = time.thread_time() - cpu
+            loop.call_soon_threadsafe(self._decoded, outcome, len(body), spent_s, rate, arrived)
+
+        self.service.decoder.submit(decode)
+
+    def _decoded(self, outcome: protocol.InferRequest | Exception, size: int, spent_s: float,
+                 rate: admission.DecodeRate, arrived: float) -> None:
+        """Back on the loop with a body decoded off it."""
+        if self.done:
+            return
+        try:
+            if isinstance(outcome, Exception):
+                raise outcome
+            self.call = outcome
+            self._send(outcome, size, spent_s, rate, arrived)
+        except Exception as exc:
+            self.fail(exc)
+
+    def _send(self, call: protocol.InferRequest, size: int, spent_s: float,
+              rate: admission.DecodeRate | None, arrived: float) -> None:
+        """Judge a decoded request on its budget and send it to a runner process."""
+        service, runner = self.service, self.runner
+        assert runner is not None
+        if size >= admission.LEARN_BYTES:
+            self._judge_decoding(call, size, spent_s, rate)
+        else:
+            spent_s = 0.0
+        limit = runner.batching.max_latency_ms / 1000
+        if call.timeout_s is not None:
+            limit = min(limit, call.timeout_s)
+        self.sent = time.monotonic()
+        self.budget_s = (limit - (self.sent - arrived)
+                         - service.reserves[runner.name].seconds(limit))
+        if self.budget_s <= 0:
+            raise Unavailable(
+                f"the request's deadline passed before it reached {runner.name!r}",
+                reason="late")
+        pool = service.pools[runner.name]
+        link = pool.pick()
+        self._refuse_on_backlog(link.backlog, self.budget_s, self.sent)
+        # A runner answers by the call's deadline, or by its batch time limit once the
+        # call is in a batch; the slack only bounds a runner process that hangs as a whole.
+        wait_s = runner.batch_timeout_s + service.config.timeouts.call_slack_s
+        pool.submit(call.inputs, call.rows, self.budget_s, call.group, wait_s, self.answered,
+                    spent_s, link)
+        service.waiting[runner.name] += 1
 
     def decode_rate(self, runner: RunnerConfig, header_length: str | None
                     ) -> admission.DecodeRate | None:
