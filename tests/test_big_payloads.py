@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from batchserve.api import protocol
-from batchserve.api.app import create_app
+from batchserve.api.http.app import create_app
 from batchserve.api.service import OFF_LOOP_BYTES
 from batchserve.runner import batching
 from batchserve.runner.core import wire
