@@ -3,6 +3,7 @@
     python -m benchmarks.peers --install          # each peer's own venv under .peers/ (once)
     flock /tmp/batchserve-bench.lock python -m benchmarks.peers --rounds 2
     python -m benchmarks.peers --servers mosec,batchserve --busy 2 --out DIR --doc ''
+    python -m benchmarks.peers --servers batchserve,mosec,triton --block "peers triton" --out DIR
     flock /tmp/batchserve-bench.lock python -m benchmarks.peers --client shared \
         --servers batchserve,mosec,triton --rates 100,1600,2400,3200,4800,6400
 
@@ -64,6 +65,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "docs", help="folder of peers.json/png")
     p.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"),
                    help="markdown file whose peers markers receive the tables ('' for none)")
+    p.add_argument("--block", default="",
+                   help="the name of the --doc markers to write between (<!-- NAME: start -->); "
+                        "default 'peers', or 'peers shared' with --client shared")
     p.add_argument("--client", choices=("ours", "shared"), default="ours",
                    help="batchserve's own load generator, or the shared clients")
     p.add_argument("--idle", type=float, default=20.0,
@@ -179,11 +183,11 @@ def markdown(result: dict[str, object], summaries: Sequence[report.Summary]) -> 
         f"{clients}{result['rounds']} rounds, "  # type: ignore[index]
         f"{result['seconds']:g} s per rate, {result['minutes']:.0f} minutes in all.",
     ]
+    grid: list[float] = result["grid"]  # type: ignore[assignment]
+    idles: list[Idle] = result.get("idles", [])  # type: ignore[assignment]
+    parts.append(report.cost_table(runs, idles, grid, int(result["rounds"])))  # type: ignore[call-overload]
     if shared:
-        grid: list[float] = result["grid"]  # type: ignore[assignment]
-        idles: list[Idle] = result["idles"]  # type: ignore[assignment]
-        parts += [report.cost_table(runs, idles, grid, int(result["rounds"])),  # type: ignore[call-overload]
-                  report.overload_table(runs, overload_rate(result))]
+        parts.append(report.overload_table(runs, overload_rate(result)))
     parts += [
         report.table(summaries, limit[best]),
         f"Model limit (offline, one torch thread): **{limit[best]:,.0f} samples/s** at batch "
@@ -219,6 +223,8 @@ def write(args: argparse.Namespace, result: dict[str, object]) -> str:
     text = markdown(result, summaries)
     if args.doc:
         start, end = (SHARED_START, SHARED_END) if shared else (START, END)
+        if args.block:
+            start, end = f"<!-- {args.block}: start -->", f"<!-- {args.block}: end -->"
         page = Path(args.doc).read_text()
         head, _, rest = page.partition(start)
         _, _, tail = rest.partition(end)
