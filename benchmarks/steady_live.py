@@ -1,7 +1,7 @@
 """The live check on a steady model: a runner whose batch time is a fixed sleep, in both
 refusal modes, at 0.8 and 1.5 times its capacity, under both shared clients.
 
-    python -m benchmarks.steady_live [--seconds 20] [--loads 0.8,1.5] [--json FILE]
+    python -m benchmarks.steady_live [--seconds 20] [--loads 0.8,1.5] [--json FILE] [--doc FILE]
 
 The model (`steady_rows` in `tests/fixture_models.py`) sleeps 3 ms plus 0.8 ms a row per
 batch, so its batch time never varies: the case where a bias in the promises has no noise to
@@ -35,6 +35,7 @@ import orjson
 from batchserve.api.bench.scrape import fetch
 from batchserve.runner.core.config import Refuse
 from benchmarks.live_clients import RunResult, SharedClient
+from benchmarks.live_table import replace_block
 from benchmarks.overload import fixture_server
 from benchmarks.tight_live import Server, percent, reasons, server_window
 
@@ -42,6 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "steady"
 INTERCEPT_S, PER_ROW_S = 0.003, 0.0008
 MAX_BATCH = 32
+DOC_START = "<!-- steady-live: start -->"
+DOC_END = "<!-- steady-live: end -->"
 LIMIT_MS = 50.0
 CAPACITY_RPS = MAX_BATCH / (INTERCEPT_S + PER_ROW_S * MAX_BATCH)
 LOADS = (0.8, 1.5)
@@ -145,6 +148,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--shared-python", default=sys.executable, help="interpreter for them")
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--json", type=Path, help="write every figure to this file")
+    p.add_argument("--doc", type=Path, help="also put the table into this file, between the "
+                   f"lines {DOC_START!r} and {DOC_END!r}")
     return p.parse_args(argv)
 
 
@@ -156,9 +161,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"steady_live: {exc}", file=sys.stderr)
         return 1
-    print(f"single rows for {args.seconds:g} s a run, limit {LIMIT_MS:g} ms, capacity "
-          f"{CAPACITY_RPS:.0f} req/s; shares of requests sent.\n")
-    print(table(runs))
+    text = (f"single rows for {args.seconds:g} s a run, limit {LIMIT_MS:g} ms, capacity "
+            f"{CAPACITY_RPS:.0f} req/s; shares of requests sent.\n\n{table(runs)}")
+    print(text)
+    if args.doc:
+        replace_block(args.doc, text, DOC_START, DOC_END)
     print(f"\ntook {time.monotonic() - started:.0f} s", file=sys.stderr)
     if args.json:
         args.json.write_bytes(orjson.dumps(
