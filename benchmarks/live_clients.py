@@ -12,6 +12,7 @@ which is inside every latency they report.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import subprocess
@@ -228,3 +229,19 @@ def wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[float]:
                 exits[i] = time.monotonic()
         time.sleep(0.01)
     return [e for e in exits if e is not None]
+
+
+def add_run_options(p: argparse.ArgumentParser, doc_start: str, doc_end: str) -> None:
+    """The options every live check shares: warm-up, the server's API workers, the shared
+    clients and their interpreter, and where the figures go."""
+    p.add_argument("--warmup-seconds", type=float, default=3.0,
+                   help="at the same rate, same client, before each measured run")
+    p.add_argument("--api-workers", type=int, default=2)
+    p.add_argument("--shared-tools", type=Path,
+                   default=Path(__file__).resolve().parent.parent.parent / "shared" / "tools",
+                   help="the folder holding the shared load generators")
+    p.add_argument("--shared-python", default=sys.executable, help="interpreter for them")
+    p.add_argument("--ready-timeout", type=float, default=180.0)
+    p.add_argument("--json", type=Path, help="write every figure to this file")
+    p.add_argument("--doc", type=Path, help="also put the tables into this file, between the "
+                   f"lines {doc_start!r} and {doc_end!r}")

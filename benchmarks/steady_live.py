@@ -28,18 +28,16 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import orjson
 
 from batchserve.api.bench.scrape import fetch
 from batchserve.runner.core.config import Refuse
-from benchmarks.live_clients import RunResult, SharedClient
+from benchmarks.live_clients import RunResult, SharedClient, add_run_options
 from benchmarks.live_table import replace_block
 from benchmarks.overload import fixture_server
 from benchmarks.tight_live import Server, percent, reasons, server_window
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "steady"
 INTERCEPT_S, PER_ROW_S = 0.003, 0.0008
 MAX_BATCH = 32
@@ -138,18 +136,9 @@ def run(args: argparse.Namespace) -> list[Run]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=20.0, help="of each measured run")
-    p.add_argument("--warmup-seconds", type=float, default=3.0,
-                   help="at the same rate, same client, before each measured run")
     p.add_argument("--loads", type=lambda text: tuple(float(x) for x in text.split(",")),
                    default=LOADS, help="shares of the capacity, comma-separated")
-    p.add_argument("--api-workers", type=int, default=2)
-    p.add_argument("--shared-tools", type=Path, default=ROOT.parent / "shared" / "tools",
-                   help="the folder holding loadgen.py and fastload.py")
-    p.add_argument("--shared-python", default=sys.executable, help="interpreter for them")
-    p.add_argument("--ready-timeout", type=float, default=180.0)
-    p.add_argument("--json", type=Path, help="write every figure to this file")
-    p.add_argument("--doc", type=Path, help="also put the table into this file, between the "
-                   f"lines {DOC_START!r} and {DOC_END!r}")
+    add_run_options(p, DOC_START, DOC_END)
     return p.parse_args(argv)
 
 

@@ -42,7 +42,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import orjson
 
@@ -50,12 +49,11 @@ from batchserve.api.bench.loadgen import loop_factory
 from batchserve.api.bench.scrape import Scrape, delta, fetch
 from batchserve.runner.core.config import Refuse
 from batchserve.runner.policy.latency_model import Fit
-from benchmarks.live_clients import Client, OwnClient, RunResult, SharedClient
+from benchmarks.live_clients import Client, OwnClient, RunResult, SharedClient, add_run_options
 from benchmarks.live_report import num
 from benchmarks.live_table import replace_block
 from benchmarks.overload import fixture_server
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tight"
 LIMIT_MS = 12.0
 RATE = 300.0
@@ -261,16 +259,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="every mode and client, this often")
     p.add_argument("--seconds", type=float, default=20.0, help="of each measured run")
     p.add_argument("--rate", type=float, default=RATE, help="req/s, single rows")
-    p.add_argument("--warmup-seconds", type=float, default=3.0,
-                   help="at the same rate, same client, before each measured run")
-    p.add_argument("--api-workers", type=int, default=2)
-    p.add_argument("--shared-tools", type=Path, default=ROOT.parent / "shared" / "tools",
-                   help="the folder holding the shared loadgen.py")
-    p.add_argument("--shared-python", default=sys.executable, help="interpreter for it")
-    p.add_argument("--ready-timeout", type=float, default=180.0)
-    p.add_argument("--json", type=Path, help="write every figure to this file")
-    p.add_argument("--doc", type=Path, help="also put the tables into this file, between the "
-                   f"lines {DOC_START!r} and {DOC_END!r}")
+    add_run_options(p, DOC_START, DOC_END)
     return p.parse_args(argv)
 
 
