@@ -673,9 +673,10 @@ class Dispatcher:
                     self._answer(request.id, piece)
         finally:
             self._pump()
-        if not done.cancelled() and self._loop is not None:
-            # The answers' writes were queued for this turn's end; this goes after them.
-            self._loop.call_soon(self._account, batch, done.result())
+        # Only a batch with an outcome comes here (a cancelled one returned, a failed one
+        # raised). Its answers' writes were queued for this turn's end; this goes after them.
+        assert self._loop is not None, "start() runs before any batch"
+        self._loop.call_soon(self._account, batch, outcome)
 
     def _account(self, batch: Batch, outcome: _Outcome) -> None:
         """Count a batch whose answers are out, republish the gauges, maybe refit."""
