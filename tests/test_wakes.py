@@ -53,6 +53,8 @@ def test_a_runner_reads_once_per_batch_and_api_worker_not_once_per_request(
     assert batches >= 10  # traffic kept the model busy: every request met a running batch
     assert result.sent / batches >= 8  # and batches held many requests each
     # Two API workers: a read of each that finds the model busy, and the read of what they
-    # held once it frees, for each batch; with one read a request, 8 or more.
-    assert reads <= 2 * 2 * batches + 2 * 2, (reads, batches, result.sent)
+    # held once it frees, for each batch; arrivals in the millisecond between a batch's end
+    # and the next launch are read at once, to join it (about one a batch at 400 a second).
+    # With one read a request, 8 or more.
+    assert reads <= (2 * 2 + 1) * batches + 2 * 2, (reads, batches, result.sent)
     assert reads < result.sent / 3, (reads, batches, result.sent)
