@@ -54,6 +54,15 @@ class RunResult:
     def non_ok(self) -> float:
         return (self.sent - self.ok) / self.sent if self.sent else 1.0
 
+    def share(self, count: int) -> float | None:
+        """`count` as a share of the requests sent (None when none was)."""
+        return count / self.sent if self.sent else None
+
+    @property
+    def late(self) -> float | None:
+        """The share of requests answered 200 after the client's SLO."""
+        return self.share(self.ok - self.good)
+
     @property
     def goodput(self) -> float:
         """OK answers within the SLO per second of sending."""

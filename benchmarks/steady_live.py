@@ -74,11 +74,11 @@ class Run:
     server: Server
 
     def share(self, count: int) -> float | None:
-        return count / self.result.sent if self.result.sent else None
+        return self.result.share(count)
 
     @property
     def late(self) -> float | None:
-        return self.share(self.result.ok - self.result.good)
+        return self.result.late
 
     @property
     def goodput(self) -> float:
