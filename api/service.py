@@ -90,6 +90,9 @@ requests_total = Counter(
 )
 UNAVAILABLE_REASONS = ("queue", "backlog", "front", "draining", "expired", "unreachable",
                        "late")
+FLOODS = frozenset(("backlog", "front"))
+"""The 503s an API worker gives itself for overload, without a crossing: the ones that come
+by the thousand a second, so they are written to the metrics in bulk (`Service.observe`)."""
 unavailable_total = Counter(
     "batchserve_unavailable_total", "Inference requests answered 503, by why",
     ["runner", "reason", "protocol"],
@@ -308,9 +311,12 @@ class Service:
 
     def observe(self, runner: str, status: int, started: float, reason: str,
                 door: str = "http") -> None:
-        """Count one answer, and a 503 once more by its reason. A 200, and any answer while
-        the front sheds, is written to the metrics with the next flush; another is written
-        at once, so a scrape right after it counts it."""
+        """Count one answer, and a 503 once more by its reason. A 200, and a 503 this worker
+        gave for overload (`FLOODS`), is written to the metrics with the next flush (the
+        worker falls idle, or `Timeouts.PUBLISH_S` passes): under overload they are most
+        answers, and writing each at once (four multiprocess writes) would cost a refusal a
+        fifth more. Any other answer is rare, and is written at once, so a scrape right after
+        it counts it."""
         if runner not in self.waiting:  # a model not served here: nothing to count it under
             return
         tally = self._answers.get((runner, status, door))
@@ -330,7 +336,7 @@ class Service:
             count = self._unavailable[runner, reason, door] = Count(
                 unavailable_total.labels(runner, reason, door))
         count.inc()
-        if not self.shedding:
+        if reason not in FLOODS:
             tally.flush()
             count.flush()
 
