@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from pathlib import Path
 
 import httpx
 import pytest
@@ -210,42 +211,53 @@ def test_the_lag_target_is_a_tenth_of_the_tightest_limit_and_at_least_10_ms(
     assert create_app(config, {}).service.shedder.target_s == pytest.approx(target_s)
 
 
-SLOW_TWO = """
+GATED_TWO = """
 api: {{workers: 1, max_inflight: {limit}}}
 runners:
-  slow:
-    model: fixture_models:slow_echo
-    batching: {{max_batch_size: 8, max_latency_ms: 5000}}
+  gated:
+    model: fixture_models:gated_echo
+    batching: {{max_batch_size: 8, max_latency_ms: 30000}}
     inputs: [{{name: x, datatype: FP32, shape: [-1, 4]}}]
     outputs: [{{name: y, datatype: FP32, shape: [-1, 4]}}]
 """
 
 
 def test_requests_past_max_inflight_are_refused_and_the_connection_serves_on(
-    serve: object,
+    serve: object, tmp_path: Path
 ) -> None:
-    server: Server = serve(SLOW_TWO.format(limit=2))  # type: ignore[operator]
+    server: Server = serve(GATED_TWO.format(limit=2))  # type: ignore[operator]
+    held = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [-1, 2, 3, 4]}]}
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
 
     def one(_: int) -> int:
         with server.client() as client:
-            return client.post("/v2/models/slow/infer", json=body).status_code
+            return client.post("/v2/models/gated/infer", json=held).status_code
 
     with ThreadPoolExecutor(8) as pool:
-        codes = list(pool.map(one, range(8)))
-    assert sorted(codes) == [200, 200] + [503] * 6, codes
-    with server.client() as client:  # one keep-alive connection: refused, then served
-        with ThreadPoolExecutor(3) as pool:
-            busy = [pool.submit(one, i) for i in range(2)]
-            time.sleep(0.1)  # both in flight on the 300 ms model
-            refused = client.post("/v2/models/slow/infer", json=body)
-            assert [f.result() for f in busy] == [200, 200]
-        served = client.post("/v2/models/slow/infer", json=body)
+        calls = [pool.submit(one, i) for i in range(8)]
+        # The model holds the first two until the gate opens: the other six are refused.
+        early = wait_for_count(calls, 6)
+        assert [call.result() for call in early] == [503] * 6
+        with server.client() as client:  # one keep-alive connection: refused, then served
+            refused = client.post("/v2/models/gated/infer", json=body)
+            (tmp_path / "gate").touch()
+            assert [call.result(timeout=30) for call in calls if call not in early] == [200, 200]
+            served = client.post("/v2/models/gated/infer", json=body)
     assert refused.status_code == 503
     assert refused.json()["error"] == (
         "the server is overloaded (2 requests in flight in this API worker); retry later"
     )
     assert served.status_code == 200
+
+
+def wait_for_count(calls: list[Future[int]], count: int) -> list[Future[int]]:
+    """The first `count` of `calls` to finish, once they have (at most 30 s)."""
+    finished: list[Future[int]] = []
+    for call in as_completed(calls, timeout=30):
+        finished.append(call)
+        if len(finished) == count:
+            return finished
+    raise AssertionError(f"only {len(finished)} of {len(calls)} calls finished")
 
 
 def _refused(retry_after: str) -> httpx.Response:
