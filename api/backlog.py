@@ -10,6 +10,11 @@ before its body is read or decoded, and without a crossing to the runner and bac
 What is left can only be less than what the runner would find: the published wait counts the
 work the process held when it answered, not what came since from other workers, so a request
 refused here would be refused there too; the rest the runner judges itself.
+
+What this worker sent the process since its last word counts as well, beyond a full batch:
+those rows queue behind the published backlog, and a full batch of them may still join the
+batch the published wait was for. Without them a worker forwards everything between two
+words, and the process, which reads only once its model is free, refuses it a batch late.
 """
 
 from __future__ import annotations
@@ -30,9 +35,17 @@ class Published:
     word: Backlog = field(default_factory=lambda: Backlog(0.0))
     heard: float = -math.inf
     refused_rows: float = 0.0
+    sent_rows: float = 0.0
+    full_batch: int = 0
+    """The process's `max_batch_size`: no batch takes more, so rows sent beyond it wait
+    longer (0, unknown: rows sent are not counted)."""
 
     def hear(self, word: Backlog, now: float) -> None:
-        self.word, self.heard, self.refused_rows = word, now, 0.0
+        self.word, self.heard, self.refused_rows, self.sent_rows = word, now, 0.0, 0.0
+
+    def sent(self, rows: float) -> None:
+        """Count `rows` this worker sent the process since it last published."""
+        self.sent_rows += rows
 
     def refuse(self, rows: float) -> float:
         """Count `rows` refused here (for a request refused on its headers, the rows a
@@ -42,8 +55,12 @@ class Published:
         return self.word.drain_s + self.word.row_s * self.refused_rows
 
     def left_s(self, now: float) -> float:
-        """What is left of the published wait at `now` (0 once it has drained)."""
-        return max(0.0, self.word.wait_s - (now - self.heard))
+        """What is left of the published wait at `now` (0 once it has drained), with the rows
+        sent since beyond a full batch at the model's full speed (`row_s` each)."""
+        word = self.word
+        beyond = self.sent_rows - self.full_batch if self.full_batch else 0.0
+        queued_s = word.row_s * beyond if beyond > 0.0 and word.wait_s > 0.0 else 0.0
+        return max(0.0, word.wait_s + queued_s - (now - self.heard))
 
     def refuses(self, budget_s: float, now: float) -> bool:
         """Whether a request with `budget_s` left would be refused by the process now."""

@@ -220,6 +220,7 @@ class Link(asyncio.BufferedProtocol):
             opening.close()
             return
         self.transport, self._opening = opening, None
+        self.backlog.full_batch = self.peer.max_batch_size
         self.outbox = Outbox(opening)
         self.greeted.set()
         self.changed()
@@ -545,6 +546,7 @@ class _Sent:
     def go(self, link: Link) -> None:
         self.link, self.sent = link, time.monotonic()
         link.send(self.build, self.answer, self.sent + self.budget_s + self.wait_s)
+        link.backlog.sent(self.rows)
 
     def build(self, ident: int) -> Call:
         return Call(ident, self.budget_s, self.rows, self.tensors, self.group, self.spent_s,

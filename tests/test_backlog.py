@@ -87,3 +87,49 @@ def test_each_row_refused_in_place_adds_to_the_retry_after_as_the_runner_counts_
     backlog.hear(Backlog(admission.wait_s, admission.rows_ahead, admission.drain_s,
                          admission.row_s), now + 0.01)
     assert backlog.refuse(4) == pytest.approx(first)  # the runner's next word counts anew
+
+
+def test_rows_sent_since_the_word_beyond_a_full_batch_count_in_the_wait() -> None:
+    backlog = Published(full_batch=8)
+    backlog.hear(Backlog(0.050, 16, 0.080, 0.005), now=10.0)
+    backlog.sent(8)  # a full batch may still join the one the word was for
+    assert backlog.left_s(10.0) == pytest.approx(0.050)
+    backlog.sent(11)
+    assert backlog.left_s(10.0) == pytest.approx(0.050 + 11 * 0.005)
+    assert backlog.refuses(0.100, now=10.0)
+    assert not backlog.refuses(0.100, now=10.010)  # drained meanwhile
+    backlog.hear(Backlog(0.050, 16, 0.080, 0.005), now=10.040)  # the next word counts anew
+    assert backlog.left_s(10.040) == pytest.approx(0.050)
+    idle = Published(full_batch=8)
+    idle.hear(Backlog(0.0), now=10.0)  # a runner that refuses nothing on arrival
+    idle.sent(100)
+    assert not idle.refuses(0.0, now=10.0)
+
+
+@pytest.mark.parametrize("queued", [0, 20, 60])
+@pytest.mark.parametrize("sent", [10, 40, 100])
+def test_what_the_wait_with_rows_sent_since_refuses_the_policy_refuses_too(
+    queued: int, sent: int
+) -> None:
+    now = 1.0
+    policy = fitted_policy()
+    ident = busy_with(policy, queued, now)
+    admission = policy.admission(now)
+    backlog = Published(full_batch=policy.limits.max_batch_size)
+    backlog.hear(Backlog(admission.wait_s, admission.rows_ahead, admission.drain_s,
+                         admission.row_s), now)
+    later = now + 0.002
+    for _ in range(sent):  # this worker's calls since the word, each taken or refused there
+        ident += 1
+        policy.offer(Request(ident, 1, later, later + 0.1), later)
+        backlog.sent(1)
+    left = backlog.left_s(later)
+    refused = 0
+    for budget_s in (0.3 * left, 0.6 * left, 0.95 * left - 0.002):
+        if budget_s <= 0.0 or not backlog.refuses(budget_s, later):
+            continue
+        refused += 1
+        ident += 1
+        assert not policy.offer(Request(ident, 1, later, later + budget_s), later), (
+            queued, sent, budget_s, left)
+    assert refused or left == 0.0
