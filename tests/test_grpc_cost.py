@@ -27,7 +27,7 @@ def test_the_table_has_a_row_per_target_and_the_two_doors_beyond_their_floors(
     text = grpc_cost.markdown(session(tmp_path), "today")
     rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 6  # the head and five targets
-    assert f"| {BATCHSERVE[0]} | 0.600 | 0.600 | 100.0, 12.0 | 100.0, 12.0 |" in rows
+    assert f"| {BATCHSERVE[0]} | 0.600 | 0.600 | 100.0, 12.0 | 100.0, 12.0 | - | - |" in rows
     assert ("At 1,600 req/s the gRPC door adds 0.200 ms beyond its bare server; the HTTP door "
             "(JSON) 0.400 beyond uvicorn's.") in text
 
