@@ -73,6 +73,8 @@ class Window:
     cpu_s: float
     processes: int
     client_cpu_s: float | None = None
+    refused: int = 0
+    """Answers the server refused (gRPC UNAVAILABLE, HTTP 503): not OK, and not the client's."""
 
     @property
     def ms_per_request(self) -> float:
@@ -109,7 +111,9 @@ def shared_tool(script: str, *args: str) -> Load:
         if done.returncode != 0 or not done.stdout.strip():
             raise RuntimeError(f"{script} failed: {done.stderr.strip()[-500:]}")
         line: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
-        return {**line, "client_cpu_s": _cpu_s(resource.RUSAGE_CHILDREN) - before}
+        refused = dict(line.get("codes") or line.get("status") or {})  # type: ignore[call-overload]
+        return {**line, "client_cpu_s": _cpu_s(resource.RUSAGE_CHILDREN) - before,
+                "refused": refused.get("UNAVAILABLE", refused.get("503", 0))}
     return load
 
 
@@ -132,7 +136,8 @@ def binary_load(url: str, runner: asyncio.Runner) -> Load:
         result = runner.run(run_load(url, body, headers, rate, seconds, seed=7,
                                      slo_ms=SLO_MS))
         return {"sent": result.sent, "ok": result.ok, "p99_ms": result.ok_p99_ms,
-                "client_cpu_s": _cpu_s(resource.RUSAGE_SELF) - before}
+                "client_cpu_s": _cpu_s(resource.RUSAGE_SELF) - before,
+                "refused": result.status_counts.get("503", 0)}
     return load
 
 
@@ -143,7 +148,8 @@ def window(name: str, root: int, load: Load, rate: float, seconds: float) -> Win
     p99, client = seen.get("p99_ms"), seen.get("client_cpu_s")
     return Window(name, rate, int(seen["sent"]), int(seen["ok"]),  # type: ignore[call-overload]
                   None if p99 is None else float(p99), cpu.seconds, cpu.processes,  # type: ignore[arg-type]
-                  None if client is None else float(client))  # type: ignore[arg-type]
+                  None if client is None else float(client),  # type: ignore[arg-type]
+                  int(seen.get("refused") or 0))  # type: ignore[call-overload]
 
 
 @contextlib.contextmanager
@@ -260,8 +266,10 @@ def cost(windows: Sequence[Window], target: str, rate: float) -> float | None:
 
 def _outcome(found: Window) -> str:
     p99 = "-" if found.p99_ms is None else f"{found.p99_ms:.1f}"
+    refused = (f"; {100 * found.refused / found.sent:.0f}% refused"
+               if found.refused and found.sent else "")
     return (f"{100 * found.ok / max(found.sent, 1):.1f}, {p99}"
-            + ("" if found.passed else " (fails)"))
+            + ("" if found.passed else f" (fails{refused})"))
 
 
 def markdown(session: Session, when: str) -> str:

@@ -45,3 +45,9 @@ def test_the_table_goes_between_the_markers_of_the_benchmarks_page(tmp_path: Pat
     text = page.read_text()
     assert f"{grpc_cost.START}\nTHE TABLE\n{grpc_cost.END}" in text
     assert text.count(grpc_cost.START) == 1
+
+
+def test_a_failing_window_says_how_much_the_server_refused() -> None:
+    refused = Window("t", 100, 1000, 350, 20.0, 1.0, 1, 0.5, 650)
+    assert grpc_cost._outcome(refused) == "35.0, 20.0 (fails; 65% refused)"
+    assert grpc_cost._outcome(Window("t", 100, 1000, 900, 20.0, 1.0, 1)) == "90.0, 20.0 (fails)"
