@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -71,10 +72,19 @@ class Window:
     p99_ms: float | None
     cpu_s: float
     processes: int
+    client_cpu_s: float | None = None
+    refused: int = 0
+    """Answers the server refused (gRPC UNAVAILABLE, HTTP 503): not OK, and not the client's."""
 
     @property
     def ms_per_request(self) -> float:
         return self.cpu_s * 1e3 / self.sent if self.sent else float("nan")
+
+    @property
+    def client_ms_per_request(self) -> float | None:
+        if self.client_cpu_s is None or not self.sent:
+            return None
+        return self.client_cpu_s * 1e3 / self.sent
 
     @property
     def passed(self) -> bool:
@@ -83,7 +93,12 @@ class Window:
 
 
 Load = Callable[[float, float], dict[str, object]]
-"""Drives a target at (rate, seconds); the client's figures: sent, ok, p99_ms."""
+"""Drives a target at (rate, seconds); the client's figures: sent, ok, p99_ms, client_cpu_s."""
+
+
+def _cpu_s(who: int) -> float:
+    used = resource.getrusage(who)
+    return used.ru_utime + used.ru_stime
 
 
 def shared_tool(script: str, *args: str) -> Load:
@@ -91,11 +106,14 @@ def shared_tool(script: str, *args: str) -> Load:
     def load(rate: float, seconds: float) -> dict[str, object]:
         command = [sys.executable, str(TOOLS / script), *args, "--rate", f"{rate:g}",
                    "--duration", f"{seconds:g}"]
+        before = _cpu_s(resource.RUSAGE_CHILDREN)  # the tool's own CPU, once it is reaped
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0 or not done.stdout.strip():
             raise RuntimeError(f"{script} failed: {done.stderr.strip()[-500:]}")
         line: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
-        return line
+        refused = dict(line.get("codes") or line.get("status") or {})  # type: ignore[call-overload]
+        return {**line, "client_cpu_s": _cpu_s(resource.RUSAGE_CHILDREN) - before,
+                "refused": refused.get("UNAVAILABLE", refused.get("503", 0))}
     return load
 
 
@@ -114,9 +132,12 @@ def binary_load(url: str, runner: asyncio.Runner) -> Load:
     body, headers = infer_body(1, FEATURES, binary=True)
 
     def load(rate: float, seconds: float) -> dict[str, object]:
+        before = _cpu_s(resource.RUSAGE_SELF)
         result = runner.run(run_load(url, body, headers, rate, seconds, seed=7,
                                      slo_ms=SLO_MS))
-        return {"sent": result.sent, "ok": result.ok, "p99_ms": result.ok_p99_ms}
+        return {"sent": result.sent, "ok": result.ok, "p99_ms": result.ok_p99_ms,
+                "client_cpu_s": _cpu_s(resource.RUSAGE_SELF) - before,
+                "refused": result.status_counts.get("503", 0)}
     return load
 
 
@@ -124,9 +145,11 @@ def window(name: str, root: int, load: Load, rate: float, seconds: float) -> Win
     before = server_cpu(root)
     seen = load(rate, seconds)
     cpu = cpu_between(before, server_cpu(root))
-    p99 = seen.get("p99_ms")
+    p99, client = seen.get("p99_ms"), seen.get("client_cpu_s")
     return Window(name, rate, int(seen["sent"]), int(seen["ok"]),  # type: ignore[call-overload]
-                  None if p99 is None else float(p99), cpu.seconds, cpu.processes)  # type: ignore[arg-type]
+                  None if p99 is None else float(p99), cpu.seconds, cpu.processes,  # type: ignore[arg-type]
+                  None if client is None else float(client),  # type: ignore[arg-type]
+                  int(seen.get("refused") or 0))  # type: ignore[call-overload]
 
 
 @contextlib.contextmanager
@@ -243,25 +266,31 @@ def cost(windows: Sequence[Window], target: str, rate: float) -> float | None:
 
 def _outcome(found: Window) -> str:
     p99 = "-" if found.p99_ms is None else f"{found.p99_ms:.1f}"
+    refused = (f"; {100 * found.refused / found.sent:.0f}% refused"
+               if found.refused and found.sent else "")
     return (f"{100 * found.ok / max(found.sent, 1):.1f}, {p99}"
-            + ("" if found.passed else " (fails)"))
+            + ("" if found.passed else f" (fails{refused})"))
 
 
 def markdown(session: Session, when: str) -> str:
     rates, windows = session.rates, session.windows
     head = ("| server and door | " + " | ".join(f"CPU ms/req at {r:,.0f}" for r in rates)
-            + " | " + " | ".join(f"ok %, p99 ms at {r:,.0f}" for r in rates) + " |")
-    lines = [head, "|---|" + "---:|" * (2 * len(rates))]
+            + " | " + " | ".join(f"ok %, p99 ms at {r:,.0f}" for r in rates)
+            + " | " + " | ".join(f"client CPU ms/req at {r:,.0f}" for r in rates) + " |")
+    lines = [head, "|---|" + "---:|" * (3 * len(rates))]
     for target in dict.fromkeys(w.target for w in windows):
         cells = [f"{c:.3f}" if (c := cost(windows, target, r)) is not None else "-"
                  for r in rates]
-        for rate in rates:
-            found = [w for w in windows if w.target == target and w.rate == rate]
-            cells.append("-" if not found else _outcome(found[0]))
+        found = [next((w for w in windows if w.target == target and w.rate == r), None)
+                 for r in rates]
+        cells += ["-" if w is None else _outcome(w) for w in found]
+        cells += ["-" if w is None or (c := w.client_ms_per_request) is None else f"{c:.3f}"
+                  for w in found]
         lines.append(f"| {target} | " + " | ".join(cells) + " |")
     notes = [f"Measured {when}, {session.seconds:g} s a rate after a {session.warmup:g} s "
              f"warm-up at 200 req/s; a rate passes with at most {PASS_NON_OK:.0%} not OK and "
-             f"p99 of OK answers within {SLO_MS:g} ms."]
+             f"p99 of OK answers within {SLO_MS:g} ms; the client's CPU is the load generator's "
+             "own, on the same two cores."]
     for rate in rates:
         grpc_, bare_grpc = cost(windows, BATCHSERVE[0], rate), cost(windows, BARE[0], rate)
         http, bare_http = cost(windows, BATCHSERVE[1], rate), cost(windows, BARE[1], rate)
@@ -278,13 +307,13 @@ def profile_table(session: Session) -> str:
                                   for r in session.rates})
 
 
-def write_doc(path: Path, text: str) -> None:
+def write_doc(path: Path, text: str, start: str = START, end: str = END) -> None:
     page = path.read_text()
-    head, found, rest = page.partition(START)
+    head, found, rest = page.partition(start)
     if not found:
-        raise RuntimeError(f"{path} has no {START} marker")
-    _, _, tail = rest.partition(END)
-    path.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+        raise RuntimeError(f"{path} has no {start} marker")
+    _, _, tail = rest.partition(end)
+    path.write_text(f"{head}{start}\n{text}\n{end}{tail}")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

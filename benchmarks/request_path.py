@@ -38,6 +38,9 @@ STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runner: batching loop (dispatcher, policy)",
      ("runner/dispatcher.py", "runner/batching.py", "runner/policy/adaptive.py", "runner/policy",
       "runner/policy/latency_model.py", "runner/sim/batch_times.py", "runner/core/timeouts.py")),
+    # A thread whose innermost frame is `Thread.run` runs native code: in an API worker,
+    # grpc.aio's poller, which waits on gRPC's completion queue and wakes the event loop.
+    ("gRPC: grpc.aio's poller thread (C-core completion queue)", ("Thread.run (threading.py",)),
     ("runner: thread-pool handoff to the model thread", ("concurrent/futures", "threading.py")),
     ("unix-socket writes, API <-> runner (writelines)", ("Outbox._flush",)),
     ("wire encode/decode (API <-> runner)", ("runner/core/wire.py",)),

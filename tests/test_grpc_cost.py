@@ -27,7 +27,7 @@ def test_the_table_has_a_row_per_target_and_the_two_doors_beyond_their_floors(
     text = grpc_cost.markdown(session(tmp_path), "today")
     rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 6  # the head and five targets
-    assert f"| {BATCHSERVE[0]} | 0.600 | 0.600 | 100.0, 12.0 | 100.0, 12.0 |" in rows
+    assert f"| {BATCHSERVE[0]} | 0.600 | 0.600 | 100.0, 12.0 | 100.0, 12.0 | - | - |" in rows
     assert ("At 1,600 req/s the gRPC door adds 0.200 ms beyond its bare server; the HTTP door "
             "(JSON) 0.400 beyond uvicorn's.") in text
 
@@ -45,3 +45,9 @@ def test_the_table_goes_between_the_markers_of_the_benchmarks_page(tmp_path: Pat
     text = page.read_text()
     assert f"{grpc_cost.START}\nTHE TABLE\n{grpc_cost.END}" in text
     assert text.count(grpc_cost.START) == 1
+
+
+def test_a_failing_window_says_how_much_the_server_refused() -> None:
+    refused = Window("t", 100, 1000, 350, 20.0, 1.0, 1, 0.5, 650)
+    assert grpc_cost._outcome(refused) == "35.0, 20.0 (fails; 65% refused)"
+    assert grpc_cost._outcome(Window("t", 100, 1000, 900, 20.0, 1.0, 1)) == "90.0, 20.0 (fails)"

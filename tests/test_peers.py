@@ -140,6 +140,13 @@ def test_server_cpu_counts_children_in_new_sessions_and_orphans_of_its_session()
     (["data_received (uvicorn/protocols/http/httptools_impl.py:170)",
       "on_headers_complete (api/http/connection.py:194)", "admit (api/service.py:319)"],
      "API: the exchange (admission, answer, response)"),
+    (["Thread._bootstrap_inner (threading.py:1045)", "Thread.run (threading.py:982)"],
+     "gRPC: grpc.aio's poller thread (C-core completion queue)"),
+    (["Thread.run (threading.py:982)", "_worker (concurrent/futures/thread.py:81)"],
+     "runner: thread-pool handoff to the model thread"),
+    (["Runner.run (asyncio/runners.py:118)", "InferenceService.model_infer "
+      "(api/grpc/server.py:182)", "decode_infer (api/grpc/codec.py:108)"],
+     "gRPC door: decode, encode (protobuf)"),
     (["main (<string>:1)"], OTHER),
 ])
 def test_a_stack_is_charged_to_its_innermost_known_step(stack: list[str], step: str) -> None:

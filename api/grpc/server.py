@@ -8,6 +8,13 @@ HTTP uses; every other RPC answers what its HTTP route answers, from the same fu
 Requests and answers of the inference RPCs stay bytes until the door decodes them, so a call
 is parsed once, timed, and refused by its model before its tensors are read.
 
+Why `grpc.aio` on the worker's loop, with grpcio's default options: the exchange runs on that
+loop, and no other way grpcio offers costs less CPU a call (`benchmarks.grpc_variants`
+measures them side by side): the sync `grpc.server` handing calls into the loop, protobuf's
+(de)serializers, registered methods, and options that turn off channelz, BDP pings or cap
+streams all cost the same within a run's noise. `grpc.minimal_stack` would drop the limit on
+a message's size (`api.max_body_bytes`), so it is not an option here.
+
 Health: the empty service name (or `inference.GRPCInferenceService`) is the server, ready as
 `GET /v2/health/ready` is; a model's name is that model, ready as its `/ready` route is; any
 other name is NOT_FOUND. A draining worker is NOT_SERVING.
