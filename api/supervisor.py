@@ -28,6 +28,7 @@ import ctypes
 import http.client
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -170,6 +171,30 @@ def http_ready(host: str, port: int, timeout: float, path: str = "/v2/health/rea
         connection.close()
 
 
+class Wake:
+    """Set once, from a signal handler as well: what the supervisor's loops sleep on.
+
+    `threading.Event.set` takes the lock its `wait` holds while it checks the flag, and a
+    handler runs on the main thread between two of its bytecodes: a signal that lands there
+    would wait on itself forever. A pipe's write needs no lock.
+    """
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+
+    def set(self) -> None:
+        try:
+            os.write(self._write, b"!")
+        except BlockingIOError:  # the pipe is full: set many times over already
+            pass
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep at most `timeout` seconds, less once set; whether it is set."""
+        readable, _, _ = select.select([self._read], [], [], timeout)
+        return bool(readable)
+
+
 @dataclass
 class Supervisor:
     config: Config
@@ -181,7 +206,7 @@ class Supervisor:
     runners: list[Child] = field(default_factory=list)
     apis: list[Child] = field(default_factory=list)
     signals: list[int] = field(default_factory=list)
-    wake: threading.Event = field(default_factory=threading.Event)
+    wake: Wake = field(default_factory=lambda: Wake())
     metrics_dir: Path | None = None
     keys: Credentials = field(default_factory=Credentials)
     grpc_hold: socket.socket | None = None

@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from batchserve.api.supervisor import Child
+from batchserve.api.supervisor import Child, Wake
 from batchserve.runner.core.timeouts import Timeouts
 from tests.conftest import Server, wait_for
 
@@ -105,3 +105,16 @@ def test_ready_means_every_api_worker_drains_a_stop_signal(serve: object) -> Non
         assert len(workers) == 4
         assert all(catches_sigterm(pid) for pid in workers)
         assert server.stop() == 0, "".join(server.log)
+
+
+def test_a_signal_handler_wakes_the_supervisor_without_a_lock() -> None:
+    wake = Wake()
+    assert not wake.wait(0.0)
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: wake.set())
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        assert wake.wait(30.0)  # woken by the handler, long before the timeout
+        assert wake.wait(0.0)  # and it stays set
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
