@@ -73,6 +73,14 @@ BAD = {
         "steps[0] reads before this step runs; a step reads only the request and earlier "
         "steps (the steps run in order, without cycles)",
     ),
+    "an output named as the request tensor it reads": (
+        RUNNERS.replace("outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]",
+                        "outputs: [{name: x, datatype: FP32, shape: [-1, 4]}]", 1)
+        + "pipelines:\n  echo:\n    max_latency_ms: 100\n    steps: [{runner: first}]\n",
+        "pipelines.echo.steps[0].output_map.x (by default its own name) has value 'x', the name "
+        "of a tensor this step reads from the request; each tensor is made once: give the "
+        "output another name in output_map",
+    ),
     "a tensor made twice": (
         CHAIN.replace("{runner: second}", "{runner: first, input_map: {x: y}}"),
         "pipelines.chain.steps[1].output_map.y (by default its own name) has value 'y', which "

@@ -177,6 +177,10 @@ def _output_map(key: str, value: Any, runner: RunnerConfig, known: _Tensors, whe
         if target in known.made:
             raise ConfigError(f"{at} has value {target!r}, which {known.made[target][1]} "
                               "makes already; each tensor must be made once")
+        if target in known.requested and known.requested[target][1] == where:
+            raise ConfigError(
+                f"{at} has value {target!r}, the name of a tensor this step reads from the "
+                "request; each tensor is made once: give the output another name in output_map")
         if target in known.requested:
             reader = known.requested[target][1]
             raise ConfigError(
