@@ -30,9 +30,20 @@ class Published:
     word: Backlog = field(default_factory=lambda: Backlog(0.0))
     heard: float = -math.inf
     refused_rows: float = 0.0
+    least_s: float = math.inf
+    """The least wait ever published: about a one-row request's time on an idle process,
+    what a pipeline counts for a step even once its backlog has drained."""
 
     def hear(self, word: Backlog, now: float) -> None:
         self.word, self.heard, self.refused_rows = word, now, 0.0
+        if 0.0 < word.wait_s < self.least_s:
+            self.least_s = word.wait_s
+
+    def expected_s(self, now: float) -> float:
+        """What a one-row request sent now is predicted to take: what is left of the
+        published wait, and never less than the process's time when idle (0 unknown)."""
+        idle_s = self.least_s if self.least_s < math.inf else 0.0
+        return max(self.left_s(now), idle_s)
 
     def refuse(self, rows: float) -> float:
         """Count `rows` refused here (for a request refused on its headers, the rows a

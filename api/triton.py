@@ -15,6 +15,11 @@ from the runner's configuration, and says only what the runner does:
   answered within `max_latency_ms` is rejected (`REJECT`), and its own `timeout` may shorten it.
 - `parameters` name what Triton's fields cannot: the limit itself, the batch dimensions, the
   inputs that are one value per request, and the cap in elements of ragged or pad inputs.
+
+A pipeline is described as Triton describes an ensemble (`platform: "ensemble"`, its steps in
+`ensemble_scheduling.step` with each step's `input_map` and `output_map`), so a Triton client
+calls it as it would an ensemble; its inputs are what the request brings, its outputs the
+answer's, and its queue policy the pipeline's one limit.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any, Final
 import orjson
 
 from ..runner.core.config import RunnerConfig, TensorSpec
+from ..runner.core.pipeline import PipelineConfig
 from .errors import BadRequest, NotSupported
 
 __all__ = ["model_config", "repository_index", "unsupported"]
@@ -102,8 +108,23 @@ def config_document(runner: RunnerConfig) -> dict[str, Any]:
     return document
 
 
-def model_config(runner: RunnerConfig) -> bytes:
-    """`GET /v2/models/{name}/config`."""
+def ensemble_document(pipeline: PipelineConfig) -> dict[str, Any]:
+    """The pipeline as a Triton ensemble: its facade's tensors, its steps in order."""
+    document = config_document(pipeline.facade)
+    for key in ("backend", "dynamic_batching", "instance_group"):
+        document.pop(key, None)
+    document["platform"] = "ensemble"
+    document["ensemble_scheduling"] = {"step": [
+        {"model_name": step.runner, "model_version": -1,
+         "input_map": dict(step.inputs), "output_map": dict(step.outputs)}
+        for step in pipeline.steps]}
+    return document
+
+
+def model_config(runner: RunnerConfig, pipeline: PipelineConfig | None = None) -> bytes:
+    """`GET /v2/models/{name}/config`: a runner's, or a pipeline's as an ensemble."""
+    if pipeline is not None:
+        return orjson.dumps(ensemble_document(pipeline))
     return orjson.dumps(config_document(runner))
 
 
