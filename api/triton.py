@@ -24,6 +24,7 @@ answer's, and its queue policy the pipeline's one limit.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Final
 
 import orjson
@@ -48,9 +49,11 @@ _BATCH_INPUT_KINDS: Final = {
 
 
 def batches_leading(runner: RunnerConfig) -> bool:
-    """Whether requests batch along a leading dimension every tensor has: Triton's batching."""
+    """Whether requests batch along a leading dimension every tensor has: Triton's batching
+    (not so for a ragged output, one flat sequence a request)."""
     return (runner.layout == "rows" and runner.batch_dim == (0, 0)
-            and all(spec.batchable for spec in runner.inputs))
+            and all(spec.batchable for spec in runner.inputs)
+            and all(spec.layout == "rows" for spec in runner.outputs))
 
 
 def _tensor(spec: TensorSpec, leading: bool) -> dict[str, Any]:
@@ -77,9 +80,10 @@ def _parameters(runner: RunnerConfig) -> dict[str, dict[str, str]]:
     return {key: {"string_value": value} for key, value in values.items()}
 
 
-def config_document(runner: RunnerConfig) -> dict[str, Any]:
-    """The runner as a Triton model configuration (see the module's docstring)."""
-    leading = batches_leading(runner)
+def config_document(runner: RunnerConfig, leading: bool | None = None) -> dict[str, Any]:
+    """The runner as a Triton model configuration (see the module's docstring); `leading`
+    False describes whole shapes, without Triton's batch dimension."""
+    leading = batches_leading(runner) if leading is None else leading
     document: dict[str, Any] = {
         "name": runner.name,
         "platform": "batchserve",
@@ -87,7 +91,7 @@ def config_document(runner: RunnerConfig) -> dict[str, Any]:
         "version_policy": {"latest": {"num_versions": 1}},
         "max_batch_size": runner.batching.max_batch_size if leading else 0,
         "input": [_tensor(spec, leading) for spec in runner.inputs],
-        "output": [_tensor(spec, leading) for spec in runner.outputs],
+        "output": [_tensor(replace(spec, layout="rows"), leading) for spec in runner.outputs],
     }
     if runner.batch_inputs:
         document["batch_input"] = [
@@ -109,8 +113,10 @@ def config_document(runner: RunnerConfig) -> dict[str, Any]:
 
 
 def ensemble_document(pipeline: PipelineConfig) -> dict[str, Any]:
-    """The pipeline as a Triton ensemble: its facade's tensors, its steps in order."""
-    document = config_document(pipeline.facade)
+    """The pipeline as a Triton ensemble: its facade's tensors, its steps in order. Its
+    shapes are whole (`max_batch_size` 0): a step may change what a row is (a tokenizer's
+    strings become one sequence), so the chain promises no batch dimension."""
+    document = config_document(pipeline.facade, leading=False)
     for key in ("backend", "dynamic_batching", "instance_group"):
         document.pop(key, None)
     document["platform"] = "ensemble"

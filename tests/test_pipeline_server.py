@@ -177,3 +177,19 @@ def test_the_grpc_door_serves_the_chain_too(serve: Callable[..., Server]) -> Non
     assert [step["model_name"] for step in config["ensemble_scheduling"]["step"]] == [
         "double", "iris_clf"]
     assert client.is_model_ready("classify")
+
+
+def test_the_bundled_classify_is_tokenize_then_text(serve: Callable[..., Server]) -> None:
+    server = serve()
+    client = triton.InferenceServerClient(server.url.removeprefix("http://"))
+    words = np.array([b"the quick brown fox"], dtype=object)
+    text = triton.InferInput("text", [1], "BYTES")
+    text.set_data_from_numpy(words)
+    whole = client.infer("classify", [text]).as_numpy("scores")
+    tokens = client.infer("tokenize", [text]).as_numpy("tokens")
+    assert tokens is not None and tokens.shape == (5,) and tokens[0] == 1
+    ids = triton.InferInput("tokens", list(tokens.shape), "INT64")
+    ids.set_data_from_numpy(tokens)
+    alone = client.infer("text", [ids]).as_numpy("scores")
+    assert whole is not None and whole.shape == (1, 4)
+    assert whole.tobytes() == alone.tobytes()

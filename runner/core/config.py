@@ -150,7 +150,7 @@ def _tensor(key: str, value: Any, keys: set[str]) -> TensorSpec:
     finite = _bool(f"{key}.finite", raw.get("finite", False))
     if finite and DATATYPES[datatype].kind != "f":
         raise _fail(f"{key}.finite", finite, f"false for {datatype}, which cannot hold NaN")
-    layout, pad_value = _layout(key, raw, datatype)
+    layout, pad_value = _layout(key, raw, datatype, "input" if "pad" in keys else "output")
     batchable = _bool(f"{key}.batchable", raw.get("batchable", True))
     if not batchable and layout != "rows":
         raise ConfigError(
@@ -163,8 +163,10 @@ def _tensor(key: str, value: Any, keys: set[str]) -> TensorSpec:
     )
 
 
-def _layout(key: str, raw: Mapping[str, Any], datatype: str) -> tuple[Layout, float]:
-    """An input's `ragged: true` or `pad: {value: V}`, and the value padding fills with."""
+def _layout(key: str, raw: Mapping[str, Any], datatype: str, what: str = "input"
+            ) -> tuple[Layout, float]:
+    """An input's `ragged: true` or `pad: {value: V}` (an output's `ragged: true`), and the
+    value padding fills with."""
     ragged = _bool(f"{key}.ragged", raw.get("ragged", False))
     pad = raw.get("pad")
     if ragged and pad is not None:
@@ -174,9 +176,9 @@ def _layout(key: str, raw: Mapping[str, Any], datatype: str) -> tuple[Layout, fl
     layout: Layout = "ragged" if ragged else "pad"
     if DATATYPES[datatype].kind == "O":
         raise _fail(f"{key}.datatype", datatype, f"a datatype other than BYTES for a {layout} "
-                    "input (one sequence of numbers a request)")
+                    f"{what} (one sequence of numbers a request)")
     if raw["shape"] != [-1]:
-        raise _fail(f"{key}.shape", raw["shape"], f"[-1] for a {layout} input: one flat "
+        raise _fail(f"{key}.shape", raw["shape"], f"[-1] for a {layout} {what}: one flat "
                     "sequence a request, its length the dimension that varies")
     if ragged:
         return "ragged", 0.0
@@ -190,6 +192,7 @@ def _layout(key: str, raw: Mapping[str, Any], datatype: str) -> tuple[Layout, fl
 
 TENSOR_KEYS = {"name", "datatype", "shape", "finite"}
 INPUT_KEYS = TENSOR_KEYS | {"batchable", "ragged", "pad"}
+OUTPUT_KEYS = TENSOR_KEYS | {"ragged"}
 
 
 def _tensors(key: str, value: Any, keys: set[str] = TENSOR_KEYS) -> tuple[TensorSpec, ...]:
@@ -370,7 +373,7 @@ def _runner(key: str, name: str, value: Any) -> RunnerConfig:
         name=name,
         model=model,
         inputs=_inputs(f"{key}.inputs", raw["inputs"]),
-        outputs=_tensors(f"{key}.outputs", raw["outputs"]),
+        outputs=_tensors(f"{key}.outputs", raw["outputs"], OUTPUT_KEYS),
         workers=_int(f"{key}.workers", raw.get("workers", 1), 1),
         batching=_batching(f"{key}.batching", raw.get("batching", {})),
         threads=_int(f"{key}.threads", raw.get("threads", 1), 1),
