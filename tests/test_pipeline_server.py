@@ -50,6 +50,11 @@ pipelines:
     steps:
       - {runner: double}
       - {runner: nap, input_map: {x: y}, output_map: {x: z}}
+  heavy:
+    max_latency_ms: 1000
+    steps:
+      - {runner: nap, output_map: {x: n}}
+      - {runner: double, input_map: {x: n}}
   fragile:
     max_latency_ms: 1000
     steps:
@@ -153,6 +158,19 @@ def test_a_failing_step_ends_the_request_before_the_next_runs(chain: Server) -> 
              "the poisoned batch counted")
     assert metric(chain, "batchserve_batches_total", runner="double") == 0
     assert metric(chain, "batchserve_requests_total", runner="fragile", code="500") == 1
+
+
+def test_a_step_that_refuses_ends_the_request_before_the_next_runs(chain: Server) -> None:
+    rows = np.ones((200, 4), np.float32)  # 200 naps of 40 ms: past nap's own 5 s limit
+    heavy = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [200, 4],
+                         "data": rows.ravel().tolist()}]}
+    with httpx.Client(base_url=chain.url, timeout=30) as http:
+        answer = http.post("/v2/models/heavy/infer", json=heavy)
+    assert answer.status_code == 413, answer.text
+    assert answer.json()["error"].startswith("pipeline 'heavy', step 0 (runner 'nap'): ")
+    assert "200 rows" in answer.json()["error"]
+    assert metric(chain, "batchserve_batches_total", runner="double") == 0
+    assert metric(chain, "batchserve_requests_total", runner="heavy", code="413") == 1
 
 
 def test_a_bad_request_names_what_is_wrong(chain: Server) -> None:
