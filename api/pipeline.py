@@ -160,8 +160,9 @@ class Chain:
                  ) -> Unavailable:
         """The step's refusal on its process's backlog, or on a deadline already spent."""
         if budget_s <= 0:
-            return PipelineRefused(
-                self.route.pipeline.name, self.index, self.step.runner, 1.0,
+            return Unavailable(
+                "what is left of the request's deadline would not cover this step and the "
+                "steps after it; retry later", 1.0, "pipeline",
                 {"deadline_ms": round(budget_s * 1000, 1), "step": self.index})
         return BacklogRefused(self.step.runner, retry_after_s(backlog.refuse(rows)), {
             "predicted_ms": round(backlog.left_s(now) * 1000, 1),

@@ -14,7 +14,7 @@ import pytest
 from batchserve.api import chain
 from batchserve.api.backlog import Published
 from batchserve.api.dispatch import RunnerFailure
-from batchserve.api.errors import PipelineRefused, SloRefused
+from batchserve.api.errors import PipelineRefused, SloRefused, Unavailable
 from batchserve.api.overload import Gate
 from batchserve.api.pipeline import Route
 from batchserve.runner.core.config import parse
@@ -166,6 +166,8 @@ def test_a_step_whose_share_of_the_deadline_is_spent_is_not_sent(
     (_, _, _, done), = pools["first"].sent
     clock[0] = 0.150  # the first step answered past the whole deadline
     done({"y": np.ones((1, 2), np.float32)})
-    assert isinstance(host.answer, PipelineRefused)
-    assert "step 1 (runner 'second')" in host.answer.message
+    assert isinstance(host.answer, Unavailable) and host.answer.reason == "pipeline"
+    assert host.answer.message.startswith(
+        "pipeline 'chain', step 1 (runner 'second'): what is left of the request's deadline "
+        "would not cover this step")
     assert pools["second"].sent == []
