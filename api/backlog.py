@@ -39,13 +39,24 @@ class Published:
     full_batch: int = 0
     """The process's `max_batch_size`: no batch takes more, so rows sent beyond it wait
     longer (0, unknown: rows sent are not counted)."""
+    least_s: float = math.inf
+    """The least wait ever published: about a one-row request's time on an idle process,
+    what a pipeline counts for a step even once its backlog has drained."""
 
     def hear(self, word: Backlog, now: float) -> None:
         self.word, self.heard, self.refused_rows, self.sent_rows = word, now, 0.0, 0.0
+        if 0.0 < word.wait_s < self.least_s:
+            self.least_s = word.wait_s
 
     def sent(self, rows: float) -> None:
         """Count `rows` this worker sent the process since it last published."""
         self.sent_rows += rows
+
+    def expected_s(self, now: float) -> float:
+        """What a one-row request sent now is predicted to take: what is left of the
+        published wait, and never less than the process's time when idle (0 unknown)."""
+        idle_s = self.least_s if self.least_s < math.inf else 0.0
+        return max(self.left_s(now), idle_s)
 
     def refuse(self, rows: float) -> float:
         """Count `rows` refused here (for a request refused on its headers, the rows a

@@ -67,9 +67,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    config = _check(args.path)
-    names = ", ".join(config.runners)
-    print(f"{args.path}: valid ({len(config.runners)} runner(s): {names})")
+    path = args.config or args.path or Path("configuration.yml")
+    config = _check(path)
+    summary = f"{len(config.runners)} runner(s): {', '.join(config.runners)}"
+    if config.pipelines:
+        summary += f"; {len(config.pipelines)} pipeline(s): {', '.join(config.pipelines)}"
+    print(f"{path}: valid ({summary})")
     return 0
 
 
@@ -105,7 +108,9 @@ def _parser() -> argparse.ArgumentParser:
                             "addresses")
     serve.set_defaults(handler=_serve)
     validate = commands.add_parser("validate", help="check a configuration file")
-    validate.add_argument("path", type=Path, nargs="?", default=Path("configuration.yml"))
+    where = validate.add_mutually_exclusive_group()
+    where.add_argument("path", type=Path, nargs="?", help="the file (default configuration.yml)")
+    where.add_argument("--config", type=Path, help="the file, as `serve` takes it")
     validate.set_defaults(handler=_validate)
     for name in FORWARDED:
         commands.add_parser(name, help=f"see 'batchserve {name} --help'", add_help=False)

@@ -14,6 +14,7 @@
         ├── RunnerUnavailable       the runner process is draining: it stops or restarts
         ├── SloRefused              the runner refused: its queue cannot answer within the limit
         ├── BacklogRefused          the same judged by the API worker, on the runner's backlog
+        ├── PipelineRefused         a pipeline's steps, under their queues, would miss its limit
         ├── Overloaded              the API worker is behind and sheds load at the front
         └── Stopping                the server is draining before it exits
 
@@ -22,7 +23,8 @@ Every 503 carries a `reason`, the label it is counted under in
 runner's own answers (the same reasons as its `batchserve_rejections_total`), and `draining`
 is also an API worker's answer while it drains; `front` is the API worker's own shedding;
 `unreachable` a runner process that is down, not connected, went away or did not answer;
-`late` a request whose deadline passed before it was sent to a runner.
+`late` a request whose deadline passed before it was sent to a runner; `pipeline` a pipeline's
+request refused at its entrance, or between steps, because its steps would not fit its limit.
 
 Library code raises these; one handler, `error_response`, turns any exception into the
 JSON body `{"error": "..."}` and its headers, so every route answers errors the same way. A
@@ -47,6 +49,7 @@ __all__ = [
     "NotSupported",
     "Overloaded",
     "PayloadTooLarge",
+    "PipelineRefused",
     "RouteNotFound",
     "RunnerUnavailable",
     "SloRefused",
@@ -191,6 +194,23 @@ class BacklogRefused(Unavailable):
             "request's latency limit; retry later",
             retry_after,
             "backlog",
+            details,
+        )
+        self.runner = runner
+
+
+class PipelineRefused(Unavailable):
+    """Refused by the API worker for a pipeline: its steps' predicted times, under their
+    queues of the moment, add up to more than the request's budget (`batchserve.api.chain`);
+    it names the step that weighs most, the one whose queue is to blame."""
+
+    def __init__(self, pipeline: str, step: int, runner: str, retry_after: float,
+                 details: Mapping[str, float]) -> None:
+        super().__init__(
+            f"pipeline {pipeline!r} refused the request: its steps cannot be served within "
+            f"its latency limit (step {step}, runner {runner!r}, weighs most); retry later",
+            retry_after,
+            "pipeline",
             details,
         )
         self.runner = runner

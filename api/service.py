@@ -37,6 +37,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -46,26 +47,23 @@ from ..runner.core.retry import retry_after_s
 from ..runner.core.security import Credentials
 from ..runner.core.timeouts import Timeouts
 from ..runner.core.types import Tensors
-from ..runner.core.wire import Address, Failure, FailureCode
+from ..runner.core.wire import Address, FailureCode
 from ..runner.metrics import SECONDS_BUCKETS, Count, Tally
 from . import admission, protocol
 from .backlog import Published
 from .dispatch import NO_KEYS, Pool, RunnerFailure
 from .errors import (
     BacklogRefused,
-    BadRequest,
     BatchserveError,
     ModelNotFound,
-    ModelTimeout,
     Overloaded,
-    RunnerUnavailable,
-    SloRefused,
     Stopping,
-    TooManyRows,
     Unavailable,
     error_response,
 )
+from .failures import failure_error
 from .overload import Gate, Shedder, backlog_s
+from .pipeline import Chain, Route
 from .reserve import Reserve
 
 log = logging.getLogger("batchserve.api.app")
@@ -89,8 +87,8 @@ requests_total = Counter(
     "batchserve_requests_total", "Inference requests answered", ["runner", "code", "protocol"]
 )
 UNAVAILABLE_REASONS = ("queue", "backlog", "front", "draining", "expired", "unreachable",
-                       "late")
-FLOODS = frozenset(("backlog", "front"))
+                       "late", "pipeline")
+FLOODS = frozenset(("backlog", "front", "pipeline"))
 """The 503s an API worker gives itself for overload, without a crossing: the ones that come
 by the thousand a second, so they are written to the metrics in bulk (`Service.observe`)."""
 unavailable_total = Counter(
@@ -143,41 +141,16 @@ def infer_target(path: str) -> tuple[str, str | None] | None:
     return None
 
 
-def _failure_error(runner: str, failure: RunnerFailure) -> BatchserveError:
-    """What a runner's failure code means to an HTTP client."""
-    detail = failure.failure
-    retry = retry_after_s(detail.retry_after_s)
-    if detail.code == FailureCode.INVALID:
-        return BadRequest(detail.message)
-    if detail.code == FailureCode.REFUSED:
-        return SloRefused(runner, retry, _judged(detail))
-    if detail.code == FailureCode.EXPIRED:
-        return Unavailable(detail.message, retry, "expired")
-    if detail.code == FailureCode.STOPPING:
-        return RunnerUnavailable(runner, retry)
-    if detail.code == FailureCode.TIMEOUT:
-        return ModelTimeout(detail.message)
-    if detail.code == FailureCode.TOO_LARGE:
-        return TooManyRows(detail.message)
-    return BatchserveError(detail.message)
-
-
-def _judged(failure: Failure) -> dict[str, float]:
-    """What a runner's refusal was judged on, for its 503 body (nothing when it does not say:
-    a policy without a latency model)."""
-    if failure.predicted_s <= 0.0:
-        return {}
-    return {"predicted_ms": round(failure.predicted_s * 1000, 1),
-            "deadline_ms": round(failure.deadline_s * 1000, 1),
-            "rows_ahead": failure.rows_ahead}
-
-
 class Service:
-    """The configuration and one pool per runner, with the inference path over them."""
+    """The configuration and one pool per runner, with the inference path over them; a
+    pipeline is served over its runners' pools (`batchserve.api.pipeline`)."""
 
     def __init__(self, config: Config, addresses: Mapping[str, Sequence[Address]],
                  keys: Credentials = NO_KEYS) -> None:
         self.config = config
+        # Every model a client may name: the runners, and each pipeline as its facade.
+        self.models: dict[str, RunnerConfig] = {
+            **config.runners, **{name: p.facade for name, p in config.pipelines.items()}}
         self.pools = {
             name: Pool(name, addresses.get(name, ()), config.timeouts, keys,
                        choice=runner.choice, changed=self.publish)
@@ -191,16 +164,20 @@ class Service:
         self._front = FrontCost()
         self.stopping = False
         self.arrived = asyncio.Event()  # set by every request: wakes the lag watch from idle
-        self.waiting = dict.fromkeys(config.runners, 0)  # calls out to each runner
-        self.reserves = {name: Reserve() for name in config.runners}
-        self.decode_rates = {name: admission.DecodeRate() for name in config.runners}
-        self.gates = {name: Gate() for name in config.runners}
+        self.waiting = dict.fromkeys(self.models, 0)  # calls out to each runner
+        self.reserves = {name: Reserve() for name in self.models}
+        self.decode_rates = {name: admission.DecodeRate() for name in self.models}
+        self.gates = {name: Gate() for name in self.models}
+        self.routes = {
+            name: Route(pipeline, config.runners, self.pools, self.gates, self.waiting,
+                        config.timeouts)
+            for name, pipeline in config.pipelines.items()}
         # Answers are tallied here and written to the metrics in bulk (`flush`).
         self._answers: dict[tuple[str, int, str], Tally] = {}
         # Every reason's series exists from the start, so a rate over it reads 0, not nothing.
         self._unavailable = {
             (name, reason, door): Count(unavailable_total.labels(name, reason, door))
-            for name in config.runners for reason in UNAVAILABLE_REASONS for door in PROTOCOLS
+            for name in self.models for reason in UNAVAILABLE_REASONS for door in PROTOCOLS
         }
         # Called with every publish and at a stop: the gRPC door's health statuses.
         self.listeners: list[Callable[[], None]] = []
@@ -246,9 +223,11 @@ class Service:
         return not self.stopping and all(pool.ready for pool in self.pools.values())
 
     def model_ready(self, name: str) -> bool:
-        """Whether a process of runner `name` (a served one) is connected and the worker takes
-        work."""
-        return not self.stopping and self.pools[name].ready
+        """Whether a process of runner `name` (a served one; for a pipeline, of each of its
+        runners) is connected and the worker takes work."""
+        route = self.routes.get(name)
+        runners = route.pipeline.runners if route is not None else (name,)
+        return not self.stopping and all(self.pools[runner].ready for runner in runners)
 
     @property
     def idle(self) -> bool:
@@ -262,10 +241,10 @@ class Service:
             pool.abandon(error)
 
     def runner(self, name: str, version: str | None = None) -> RunnerConfig:
-        runner = self.config.runners.get(name)
+        runner = self.models.get(name)
         if runner is None or version not in (None, VERSION):
             label = name if version is None else f"{name} version {version}"
-            raise ModelNotFound(label, self.config.runners)
+            raise ModelNotFound(label, self.models)
         return runner
 
     def request(self, name: str, version: str | None, respond: Respond) -> Exchange:
@@ -317,7 +296,7 @@ class Service:
         answers, and writing each at once (four multiprocess writes) would cost a refusal a
         fifth more. Any other answer is rare, and is written at once, so a scrape right after
         it counts it."""
-        if runner not in self.waiting:  # a model not served here: nothing to count it under
+        if runner not in self.models:  # a model not served here: nothing to count it under
             return
         tally = self._answers.get((runner, status, door))
         if tally is None:
@@ -365,7 +344,7 @@ class Exchange:
     PROTOCOL = "http"
 
     __slots__ = ("service", "name", "respond", "started", "done", "counted", "runner",
-                 "call", "sent", "budget_s")
+                 "call", "sent", "budget_s", "chain")
 
     def __init__(self, service: Service, name: str, respond: Respond) -> None:
         self.service, self.name, self.respond = service, name, respond
@@ -375,6 +354,7 @@ class Exchange:
         self.runner: RunnerConfig | None = None
         self.call: protocol.InferRequest | None = None
         self.sent = self.budget_s = 0.0
+        self.chain: Chain | None = None  # a pipeline's request: its way through the steps
 
     def admit(self, version: str | None) -> None:
         service = self.service
@@ -387,9 +367,14 @@ class Exchange:
             service.arrived.set()
             service.shed(self.name)
             limit = runner.batching.max_latency_ms / 1000
+            budget_s = limit - service.reserves[self.name].seconds(limit)
+            route = service.routes.get(self.name)
+            if route is not None:
+                self.chain = route.chain(self)
+                route.judge(budget_s, self.started, None)
+                return
             self._refuse_on_backlog(service.pools[self.name].least_backlog(self.started),
-                                    limit - service.reserves[self.name].seconds(limit),
-                                    self.started)
+                                    budget_s, self.started)
         except Exception as exc:
             self.fail(exc)
 
@@ -467,6 +452,9 @@ class Exchange:
             raise Unavailable(
                 f"the request's deadline passed before it reached {runner.name!r}",
                 reason="late")
+        if self.chain is not None:
+            self.chain.start(call.inputs, call.rows, self.sent + self.budget_s)
+            return
         pool = service.pools[runner.name]
         link = pool.pick()
         self._refuse_on_backlog(link.backlog, self.budget_s, self.sent)
@@ -530,10 +518,23 @@ class Exchange:
             if isinstance(outcome, RunnerFailure):
                 if outcome.failure.code == FailureCode.REFUSED:
                     service.gates[runner.name].refused(time.monotonic())
-                raise _failure_error(runner.name, outcome)
+                raise failure_error(runner.name, outcome)
             if isinstance(outcome, Exception):
                 raise outcome
-            content, headers = self.encode(runner, call, outcome)
+        except Exception as exc:
+            self.fail(exc)
+            return
+        self.deliver(outcome, call.rows)
+
+    def deliver(self, outputs: Tensors, rows: int) -> None:
+        """Encode the outputs, `rows` of them along the output batch dimension (a pipeline's
+        are its last step's), and answer the client."""
+        service, runner, call = self.service, self.runner, self.call
+        assert runner is not None and call is not None
+        try:
+            if rows != call.rows:
+                call = self.call = replace(call, rows=rows)
+            content, headers = self.encode(runner, call, outputs)
             service.reserves[runner.name].observe(time.monotonic() - (self.sent + self.budget_s))
         except Exception as exc:
             self.fail(exc)

@@ -292,7 +292,8 @@ def output_array(
             )
         array = array.astype(spec.dtype)
     shape = array.shape
-    if not fits(shape, spec.shape) or shape[dim] != rows:
+    # A ragged output is one flat sequence a request, of any length: no rows to count.
+    if not fits(shape, spec.shape) or (shape[dim] != rows and spec.layout != "ragged"):
         raise BatchserveError(
             f"model {model!r} returned output {spec.name!r} with shape {shape_text(shape)}; "
             f"expected {shape_text(spec.shape)} with {rows} rows in dimension {dim}"

@@ -15,15 +15,22 @@ from the runner's configuration, and says only what the runner does:
   answered within `max_latency_ms` is rejected (`REJECT`), and its own `timeout` may shorten it.
 - `parameters` name what Triton's fields cannot: the limit itself, the batch dimensions, the
   inputs that are one value per request, and the cap in elements of ragged or pad inputs.
+
+A pipeline is described as Triton describes an ensemble (`platform: "ensemble"`, its steps in
+`ensemble_scheduling.step` with each step's `input_map` and `output_map`), so a Triton client
+calls it as it would an ensemble; its inputs are what the request brings, its outputs the
+answer's, and its queue policy the pipeline's one limit.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Final
 
 import orjson
 
 from ..runner.core.config import RunnerConfig, TensorSpec
+from ..runner.core.pipeline import PipelineConfig
 from .errors import BadRequest, NotSupported
 
 __all__ = ["model_config", "repository_index", "unsupported"]
@@ -42,9 +49,11 @@ _BATCH_INPUT_KINDS: Final = {
 
 
 def batches_leading(runner: RunnerConfig) -> bool:
-    """Whether requests batch along a leading dimension every tensor has: Triton's batching."""
+    """Whether requests batch along a leading dimension every tensor has: Triton's batching
+    (not so for a ragged output, one flat sequence a request)."""
     return (runner.layout == "rows" and runner.batch_dim == (0, 0)
-            and all(spec.batchable for spec in runner.inputs))
+            and all(spec.batchable for spec in runner.inputs)
+            and all(spec.layout == "rows" for spec in runner.outputs))
 
 
 def _tensor(spec: TensorSpec, leading: bool) -> dict[str, Any]:
@@ -71,9 +80,10 @@ def _parameters(runner: RunnerConfig) -> dict[str, dict[str, str]]:
     return {key: {"string_value": value} for key, value in values.items()}
 
 
-def config_document(runner: RunnerConfig) -> dict[str, Any]:
-    """The runner as a Triton model configuration (see the module's docstring)."""
-    leading = batches_leading(runner)
+def config_document(runner: RunnerConfig, leading: bool | None = None) -> dict[str, Any]:
+    """The runner as a Triton model configuration (see the module's docstring); `leading`
+    False describes whole shapes, without Triton's batch dimension."""
+    leading = batches_leading(runner) if leading is None else leading
     document: dict[str, Any] = {
         "name": runner.name,
         "platform": "batchserve",
@@ -81,7 +91,7 @@ def config_document(runner: RunnerConfig) -> dict[str, Any]:
         "version_policy": {"latest": {"num_versions": 1}},
         "max_batch_size": runner.batching.max_batch_size if leading else 0,
         "input": [_tensor(spec, leading) for spec in runner.inputs],
-        "output": [_tensor(spec, leading) for spec in runner.outputs],
+        "output": [_tensor(replace(spec, layout="rows"), leading) for spec in runner.outputs],
     }
     if runner.batch_inputs:
         document["batch_input"] = [
@@ -102,8 +112,25 @@ def config_document(runner: RunnerConfig) -> dict[str, Any]:
     return document
 
 
-def model_config(runner: RunnerConfig) -> bytes:
-    """`GET /v2/models/{name}/config`."""
+def ensemble_document(pipeline: PipelineConfig) -> dict[str, Any]:
+    """The pipeline as a Triton ensemble: its facade's tensors, its steps in order. Its
+    shapes are whole (`max_batch_size` 0): a step may change what a row is (a tokenizer's
+    strings become one sequence), so the chain promises no batch dimension."""
+    document = config_document(pipeline.facade, leading=False)
+    for key in ("backend", "dynamic_batching", "instance_group"):
+        document.pop(key, None)
+    document["platform"] = "ensemble"
+    document["ensemble_scheduling"] = {"step": [
+        {"model_name": step.runner, "model_version": -1,
+         "input_map": dict(step.inputs), "output_map": dict(step.outputs)}
+        for step in pipeline.steps]}
+    return document
+
+
+def model_config(runner: RunnerConfig, pipeline: PipelineConfig | None = None) -> bytes:
+    """`GET /v2/models/{name}/config`: a runner's, or a pipeline's as an ensemble."""
+    if pipeline is not None:
+        return orjson.dumps(ensemble_document(pipeline))
     return orjson.dumps(config_document(runner))
 
 

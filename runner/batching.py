@@ -42,8 +42,14 @@ def join(parts: Sequence[Tensors], dim: int, unbatched: Collection[str] = ()) ->
             else joined[name] for name in parts[0]}
 
 
-def split(outputs: Tensors, sizes: Sequence[int], dim: int) -> list[Tensors]:
-    """Cut each output at the request boundaries; the slices are views, not copies."""
+def split(outputs: Tensors, sizes: Sequence[int], dim: int,
+          ragged: Collection[str] = ()) -> list[Tensors]:
+    """Cut each output at the request boundaries; the slices are views, not copies. A
+    `ragged` output comes as one sequence a row (an object array of 1-D arrays): each
+    request gets its rows' sequences joined into one flat array."""
+    if ragged:
+        return [{name: _flat(piece[name]) if name in ragged else piece[name] for name in piece}
+                for piece in split(outputs, sizes, dim)]
     total = sum(sizes)
     for name, array in outputs.items():
         if array.ndim <= dim or array.shape[dim] != total:
@@ -56,6 +62,11 @@ def split(outputs: Tensors, sizes: Sequence[int], dim: int) -> list[Tensors]:
     cuts = list(accumulate(sizes))[:-1]
     pieces = {name: np.split(array, cuts, axis=dim) for name, array in outputs.items()}
     return [{name: pieces[name][i] for name in outputs} for i in range(len(sizes))]
+
+
+def _flat(sequences: np.ndarray) -> np.ndarray:
+    """A request's sequences of a ragged output, one after another."""
+    return sequences[0] if len(sequences) == 1 else np.concatenate(list(sequences))
 
 
 def chunk(

@@ -117,3 +117,24 @@ def recase(text: np.ndarray, *, case: str) -> np.ndarray:
     for row, raw in enumerate(text):
         out[row] = getattr(raw.decode(errors="replace"), case)().encode()
     return out
+
+
+BEGIN_ID = 1
+"""The id every token sequence starts with, so that even an empty string is one token: the
+text classifier after it takes sequences of at least one."""
+WORD_IDS = 19_999
+"""Word ids are 2 .. WORD_IDS + 1, within the classifier's vocabulary of 20,000."""
+
+
+def tokenize(text: np.ndarray) -> dict[str, list[np.ndarray]]:
+    """Token ids of UTF-8 strings (BYTES rows): a begin id, then one id a word, lower-cased
+    and split at whitespace, hashed with CRC-32 (the hashing trick: no vocabulary to
+    download, and any word has an id). The output `tokens` is ragged, one sequence a row of
+    any length, as the bundled `text` classifier reads its input."""
+    return {"tokens": [_token_ids(raw) for raw in text]}
+
+
+def _token_ids(raw: bytes) -> np.ndarray:
+    words = raw.decode(errors="replace").lower().split()
+    ids = [BEGIN_ID] + [2 + zlib.crc32(word.encode()) % WORD_IDS for word in words]
+    return np.array(ids, dtype=np.int64)

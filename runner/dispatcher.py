@@ -202,6 +202,9 @@ class Dispatcher:
         """`launched` is told whenever a batch goes to the model (the runner publishes its
         backlog then)."""
         self.runner = runner
+        # Outputs of one sequence a row, joined into one flat array a request when split.
+        self._ragged_outputs = frozenset(
+            spec.name for spec in runner.outputs if spec.layout == "ragged")
         self.launched = launched
         self.model = model
         self.policy = policy
@@ -637,7 +640,8 @@ class Dispatcher:
         requests that make it fail stand alone, so only they fail (a poison request)."""
         try:
             outputs = self.model(self._join(parts), options)
-            return list(batching.split(outputs, sizes, self.runner.batch_dim[1]))
+            return list(batching.split(outputs, sizes, self.runner.batch_dim[1],
+                                       self._ragged_outputs))
         except Exception as exc:
             if len(parts) > 1:
                 half = len(parts) // 2

@@ -94,7 +94,9 @@ class Model:
         if len(values) != len(self._outputs) or any(v is None for v in values):
             names = [spec.name for spec in self._outputs]
             raise ModelError(f"model returned {type(result).__name__}; expected outputs {names}")
-        return {spec.name: self._as_array(spec.name, value, spec.dtype)
+        return {spec.name: (_as_sequences(spec.name, value, spec.dtype)
+                            if spec.layout == "ragged" else
+                            self._as_array(spec.name, value, spec.dtype))
                 for spec, value in zip(self._outputs, values, strict=True)}
 
     @staticmethod
@@ -107,6 +109,25 @@ class Model:
         if array.dtype != dtype:
             array = array.astype(dtype)
         return array
+
+
+def _as_sequences(name: str, value: Any, dtype: np.dtype[Any]) -> np.ndarray:
+    """A ragged output, one sequence a row of the batch (a list of 1-D arrays), as an object
+    array of those arrays: it splits by rows as any output does, and each request's are then
+    joined into one flat sequence (`batchserve.runner.batching.split`)."""
+    if isinstance(value, np.ndarray) or not isinstance(value, Sequence):
+        raise ModelError(f"model returned output {name!r} as {type(value).__name__}; a ragged "
+                         "output is a list with one 1-D sequence a row")
+    sequences = np.empty(len(value), dtype=object)
+    for i, item in enumerate(value):
+        if hasattr(item, "detach"):
+            item = item.detach().cpu().numpy()
+        array = np.asarray(item, dtype=dtype)
+        if array.ndim != 1:
+            raise ModelError(f"model returned output {name!r} with a sequence of shape "
+                             f"{list(array.shape)}; a ragged output holds 1-D sequences")
+        sequences[i] = array
+    return sequences
 
 
 def _as_bytes(name: str, value: Any) -> np.ndarray:

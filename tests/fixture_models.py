@@ -157,3 +157,8 @@ def scaled(x: np.ndarray, *, factor: float = 1.0, shift: int = 0) -> dict[str, n
         raise TypeError(f"factor {factor!r} and shift {shift!r} must be numbers")
     rows = np.full((len(x), 1), len(x), np.int64)
     return {"y": (x * factor + shift).astype(np.float32), "rows": rows}
+
+
+def doubled(x: np.ndarray) -> np.ndarray:
+    """`2 x`: a first step whose answer a test can tell from its input."""
+    return (2 * x).astype(np.float32)

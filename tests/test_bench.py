@@ -566,5 +566,5 @@ def test_a_model_that_does_not_exist_fails_with_its_404(
     assert bench.main(argv) == 1
     err = capsys.readouterr().err
     assert err == (f"batchserve bench: GET {bundled.url}/v2/models/absent answered 404: "
-                   '{"error":"model \'absent\' is not served here; known models: iris_clf, '
-                   'mlp, text, text_features"}\n')
+                   '{"error":"model \'absent\' is not served here; known models: classify, '
+                   'iris_clf, mlp, text, text_features, tokenize"}\n')

@@ -148,7 +148,7 @@ def test_the_servers_errors_reach_the_caller(bundled: Server) -> None:
     with ModelClient(bundled.url, "nope") as client, pytest.raises(
         ServerError, match=re.escape(
             "the server answered 404: model 'nope' is not served here; known models: "
-            "iris_clf, mlp, text, text_features"
+            "classify, iris_clf, mlp, text, text_features, tokenize"
         )
     ) as info:
         client.infer_batch(x=rows(1))

@@ -124,7 +124,7 @@ def test_the_servers_errors_are_those_of_http_with_the_same_words(server: Server
     for url in (server.url, grpc_url(server)):
         with ModelClient(url, "nope") as client, pytest.raises(ServerError, match=re.escape(
             "the server answered 404: model 'nope' is not served here; known models: "
-            "iris_clf, mlp, text, text_features"
+            "classify, iris_clf, mlp, text, text_features, tokenize"
         )) as info:
             client.infer_batch(x=rows(1))
         assert info.value.status == 404

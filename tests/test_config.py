@@ -82,7 +82,8 @@ def test_the_bundled_configuration_is_valid() -> None:
     result = run("validate", cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout == (
-        "configuration.yml: valid (4 runner(s): iris_clf, mlp, text_features, text)\n"
+        "configuration.yml: valid (5 runner(s): iris_clf, mlp, text_features, text, tokenize; "
+        "1 pipeline(s): classify)\n"
     )
 
 
@@ -142,7 +143,7 @@ def test_the_reference_batching_keys_are_accepted_verbatim(tmp_path: Path) -> No
          "must be batchable, to count each request's rows"),
         (("shape: [-1, 3]}", "shape: [-1, 3], batchable: false}"),
          "runners.iris_clf.outputs[0].batchable is not a known key; known keys are: datatype, "
-         "finite, name, shape"),
+         "finite, name, ragged, shape"),
         (("datatype: FP32, shape: [-1, 4]", "datatype: BYTES, shape: [-1, 4], finite: true"),
          "runners.iris_clf.inputs[0].finite has value True; it must be false for BYTES, which "
          "cannot hold NaN"),

@@ -67,6 +67,9 @@ MAPPINGS: dict[str, Callable[[], dict[str, Any]]] = {
     "runners.<name>.outputs[].": lambda: with_runner(runner(
         outputs=[{"name": "y", "datatype": "FP32", "shape": [-1, 2], UNKNOWN: 1}])),
     "runners.<name>.batch_inputs[].": lambda: with_runner(ragged(**{UNKNOWN: 1})),
+    "pipelines.<name>.": lambda: {**with_runner(runner()), "pipelines": {"name": {UNKNOWN: 1}}},
+    "pipelines.<name>.steps[].": lambda: {**with_runner(runner()), "pipelines": {"name": {
+        "max_latency_ms": 10, "steps": [{UNKNOWN: 1}]}}},
 }
 
 
@@ -93,7 +96,7 @@ def documented_keys() -> set[str]:
     text = (ROOT / "docs" / "configuration.md").read_text()
     cells = re.findall(r"^\| `([a-z_<>.\[\]]+)` \|", text, flags=re.MULTILINE)
     return {cell for cell in cells if cell.split(".")[0] in {"api", "timeouts", "transport",
-                                                              "runners"}}
+                                                              "runners", "pipelines"}}
 
 
 def test_the_parser_is_probed_at_every_mapping() -> None:

@@ -31,7 +31,8 @@ def test_unknown_model_is_404(bundled: Server) -> None:
         answer = client.post("/v2/models/nope/infer", json={"inputs": [ROW]})
         metadata = client.get("/v2/models/nope")
     assert answer.status_code == 404
-    message = "model 'nope' is not served here; known models: iris_clf, mlp, text, text_features"
+    message = ("model 'nope' is not served here; known models: classify, iris_clf, mlp, text, "
+               "text_features, tokenize")
     assert answer.json() == {"error": message}
     assert metadata.status_code == 404
 

@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 from tests.conftest import ROOT, Server, free_port, start_server
 from tests.test_hangs import HANG
 
-MODELS = ("iris_clf", "mlp", "text_features", "text")
+MODELS = ("iris_clf", "mlp", "text_features", "text", "tokenize", "classify")
 RNG = np.random.default_rng(7)
 
 
@@ -58,6 +58,8 @@ def inputs_for(model: str, module: Any) -> list[Any]:
         text = np.array([b"Hello  world", "naïve café".encode()], dtype=object)
         return [tensor("text", text, "BYTES"),
                 tensor("separator", np.array([b""], dtype=object), "BYTES")]
+    if model in ("tokenize", "classify"):
+        return [tensor("text", np.array([b"the quick brown fox"], dtype=object), "BYTES")]
     return [tensor("tokens", np.array([3, 1, 4, 1, 5, 9], np.int64), "INT64")]
 
 
@@ -132,9 +134,9 @@ def test_the_stream_answers_each_request_with_its_id_and_errors_without_ending(
         else:
             found[result.get_response().id] = result
     client.stop_stream()
-    assert errors == ["model 'nope' is not served here; known models: iris_clf, mlp, text, "
-                      "text_features"]
-    assert sorted(found) == ["after", "s0", "s1", "s2", "s3"]
+    assert errors == ["model 'nope' is not served here; known models: classify, iris_clf, mlp, "
+                      "text, text_features, tokenize"]
+    assert sorted(found) == ["after", "s0", "s1", "s2", "s3", "s4", "s5"]
     for index, model in enumerate(MODELS):
         same(found[f"s{index}"], http_answer(server, model))
 
@@ -176,8 +178,10 @@ def test_every_aio_method_on_every_model(server: Server) -> None:
             result = await client.infer(model, inputs_for(model, tg), request_id=model)
             assert result.get_response().id == model
             same(result, http_answer(server, model))
-        assert len((await client.get_model_repository_index(as_json=True))["models"]) == 4
-        assert len((await client.get_inference_statistics(as_json=True))["model_stats"]) == 4
+        index = (await client.get_model_repository_index(as_json=True))["models"]
+        assert len(index) == len(MODELS)
+        stats = (await client.get_inference_statistics(as_json=True))["model_stats"]
+        assert len(stats) == len(MODELS)
 
         async def requests() -> Any:
             for model in MODELS:

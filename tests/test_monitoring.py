@@ -40,6 +40,12 @@ runners:
     inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]
     outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]
 """
+PIPELINE = """
+pipelines:
+  echoed:  # the echo behind a pipeline's name: the pipeline panels have series to show
+    max_latency_ms: 100
+    steps: [{runner: echo}]
+"""
 INFER = "/v2/models/echo/infer"
 MIXED = (None, 5000, 300)
 NO_ANSWER = 0  # the connection dropped before a status came back
@@ -247,7 +253,7 @@ def quick_rules(text: str) -> str:
 def prometheus(serve: Callable[..., Server], tmp_path: Path) -> Iterator[tuple[Server, str]]:
     binary = shutil.which("prometheus")
     assert binary, "the prometheus server is not installed; the README's test command installs it"
-    server = serve(ECHO, "--api-workers", "2")
+    server = serve(ECHO + PIPELINE, "--api-workers", "2")
     (tmp_path / "alerts.yml").write_text(quick_rules((DASHBOARDS / "alerts.yml").read_text()))
     config = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
     config["global"] = {"scrape_interval": "1s", "scrape_timeout": "1s",

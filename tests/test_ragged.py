@@ -141,7 +141,8 @@ BAD = {
     ),
     "ragged on an output": (
         ("shape: [-1, 4]}", "shape: [-1, 4], ragged: true}"),
-        "runners.text.outputs[0].ragged is not a known key",
+        "runners.text.outputs[0].shape has value [-1, 4]; it must be [-1] for a ragged "
+        "output: one flat sequence a request",
     ),
 }
 

@@ -27,7 +27,7 @@ def test_runner_sockets_are_private_to_the_serving_user_and_removed_on_exit(
     assert info.st_uid == os.getuid()
     sockets = sorted(path.name for path in folder.glob("*.sock"))
     assert sockets == [
-        "iris_clf-0.sock", "mlp-0.sock", "text-0.sock", "text_features-0.sock"
+        "iris_clf-0.sock", "mlp-0.sock", "text-0.sock", "text_features-0.sock", "tokenize-0.sock"
     ]
     assert all(stat.S_ISSOCK((folder / name).stat().st_mode) for name in sockets)
     assert server.stop() == 0

@@ -23,7 +23,7 @@ def test_a_minute_at_eighty_percent_loses_nothing_and_grows_no_memory() -> None:
     assert result.sent > 100_000
     assert result.answered == result.sent, result.report()  # exactly one answer each
     growth = result.growth()
-    assert len(growth) == 7, result.report()  # supervisor, 4 runners, 2 API workers
+    assert len(growth) == 8, result.report()  # supervisor, 5 runners, 2 API workers
     assert max(growth.values()) < 0.05, result.report()
 
 

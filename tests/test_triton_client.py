@@ -23,6 +23,7 @@ from batchserve.runner.core.config import load
 from tests.conftest import ROOT, Server, start_server
 
 CONFIG = load(ROOT / "configuration.yml")
+MODELS = [*CONFIG.runners, *CONFIG.pipelines]  # every model served, in the index's order
 FLOWERS = np.array([[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]], dtype=np.float32)
 
 
@@ -89,7 +90,7 @@ def walk_config(client: triton.InferenceServerClient) -> None:
 
 def walk_repository(client: triton.InferenceServerClient) -> None:
     index = client.get_model_repository_index()
-    assert index == [{"name": name, "version": "1", "state": "READY"} for name in CONFIG.runners]
+    assert index == [{"name": name, "version": "1", "state": "READY"} for name in MODELS]
     refused(lambda: client.load_model("mlp"), 501, "does not load or unload models")
     refused(lambda: client.unload_model("mlp"), 501, "does not load or unload models")
 
@@ -108,7 +109,7 @@ def walk_infer(client: triton.InferenceServerClient) -> None:
 def walk_statistics(client: triton.InferenceServerClient) -> None:
     """After `walk_infer`: three requests answered and one refused for iris_clf."""
     every = client.get_inference_statistics()["model_stats"]
-    assert [entry["name"] for entry in every] == list(CONFIG.runners)
+    assert [entry["name"] for entry in every] == MODELS
     stats = client.get_inference_statistics("iris_clf", "1")["model_stats"][0]
     assert stats["inference_stats"]["success"]["count"] == 3
     assert stats["inference_stats"]["success"]["ns"] > 0
@@ -207,7 +208,7 @@ def test_the_triton_routes_answer_curl_as_json(server: Server, path: str) -> Non
 
 def test_the_repository_index_takes_a_ready_flag_and_refuses_a_bad_one(server: Server) -> None:
     index = httpx.post(f"{server.url}/v2/repository/index", json={"ready": True})
-    assert [entry["name"] for entry in index.json()] == list(CONFIG.runners)
+    assert [entry["name"] for entry in index.json()] == MODELS
     bad = httpx.post(f"{server.url}/v2/repository/index", json={"ready": "yes"})
     assert bad.status_code == 400
     assert bad.json() == {"error": "ready has value \"yes\"; expected true or false"}

@@ -144,19 +144,23 @@ class InferenceService:
     async def model_config(self, request: Any, context: Any) -> Any:
         runner = self.service.runner(request.name, request.version or None)
         answer = message("ModelConfigResponse")()
-        json_format.ParseDict(triton.config_document(runner), answer.config)
+        pipeline = self.service.config.pipelines.get(runner.name)
+        document = (triton.config_document(runner) if pipeline is None
+                    else triton.ensemble_document(pipeline))
+        json_format.ParseDict(document, answer.config)
         return answer
 
     async def model_statistics(self, request: Any, context: Any) -> Any:
         names = ([self.service.runner(request.name, request.version or None).name]
-                 if request.name else list(self.service.config.runners))
+                 if request.name else list(self.service.models))
         return _parse("ModelStatisticsResponse", statistics.encode(names, registry()))
 
     async def repository_index(self, request: Any, context: Any) -> Any:
         service = self.service
         unready = {name: ("the server is stopping" if service.stopping else
-                          None if pool.ready else "no process of its runner is connected")
-                   for name, pool in service.pools.items()}
+                          None if service.model_ready(name)
+                          else "no process of its runner is connected")
+                   for name in service.models}
         body = b'{"ready":true}' if request.ready else b""
         index = orjson.loads(triton.repository_index(unready, body))
         return json_format.ParseDict({"models": index}, message("RepositoryIndexResponse")())
@@ -272,7 +276,7 @@ class Health(health_aio.HealthServicer):  # type: ignore[misc]
         service = self.service
         if name in ("", SERVICE):
             up = service.ready
-        elif name in service.pools:
+        elif name in service.models:
             up = service.model_ready(name)
         else:
             return None
@@ -288,7 +292,7 @@ class Health(health_aio.HealthServicer):  # type: ignore[misc]
 
     def refresh(self) -> None:
         """Bring the statuses `Watch` reports up to date (from sync code: set is async)."""
-        names = ["", SERVICE, *self.service.pools]
+        names = ["", SERVICE, *self.service.models]
         changed = {name: status for name in names
                    if (status := self.status(name)) != self._server_status.get(name)}
         if not changed:

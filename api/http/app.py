@@ -215,18 +215,20 @@ def _routes(service: Service, config: Config) -> list[Route]:
         return _json(b'{"ready":true}' if up else b'{"ready":false}', 200 if up else 503)
 
     async def model_config(request: Request) -> Response:
-        return _json(triton.model_config(runner_of(request)))
+        runner = runner_of(request)
+        return _json(triton.model_config(runner, config.pipelines.get(runner.name)))
 
     async def model_stats(request: Request) -> Response:
         names = ([runner_of(request).name] if "name" in request.path_params
-                 else list(config.runners))
+                 else list(service.models))
         return _json(statistics.encode(names, registry()))
 
     async def repository_index(request: Request) -> Response:
         body = await _small_body(request)
         unready = {name: ("the server is stopping" if service.stopping else
-                          None if pool.ready else "no process of its runner is connected")
-                   for name, pool in service.pools.items()}
+                          None if service.model_ready(name)
+                          else "no process of its runner is connected")
+                   for name in service.models}
         return _json(triton.repository_index(unready, body))
 
     described = openapi.encode(config)

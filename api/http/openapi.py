@@ -145,6 +145,8 @@ def document(config: Config) -> dict[str, Any]:
     }
     for name, runner in config.runners.items():
         paths.update(_model(name, runner))
+    for name, pipeline in config.pipelines.items():  # a pipeline is a model to clients
+        paths.update(_model(name, pipeline.facade))
     return {
         "openapi": "3.0.3",
         "info": {"title": "batchserve", "version": "1",
@@ -160,7 +162,8 @@ def document(config: Config) -> dict[str, Any]:
                                      "inflight": {"type": "integer"},
                                      "predicted_ms": {"type": "number"},
                                      "deadline_ms": {"type": "number"},
-                                     "rows_ahead": {"type": "integer"}}},
+                                     "rows_ahead": {"type": "integer"},
+                                     "step": {"type": "integer"}}},
             "Response": {"type": "object", "required": ["model_name", "outputs"],
                          "properties": {"model_name": {"type": "string"},
                                         "model_version": {"type": "string"},

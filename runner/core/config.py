@@ -13,138 +13,31 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, TypeVar
 
 import numpy as np
 import yaml
 
+from .pipeline import PipelineConfig, parse_pipelines
+
+# A runner's values live in their own module; they are read, and known to callers, as here.
+from .runner_config import BATCH_INPUT_KINDS as BATCH_INPUT_KINDS
+from .runner_config import CHOICES as CHOICES
+from .runner_config import REFUSE_MODES as REFUSE_MODES
+from .runner_config import Batching as Batching
+from .runner_config import BatchInput as BatchInput
+from .runner_config import BatchInputKind as BatchInputKind
+from .runner_config import Choice as Choice
+from .runner_config import ConfigError as ConfigError
+from .runner_config import Layout as Layout
+from .runner_config import Refuse as Refuse
+from .runner_config import RunnerConfig as RunnerConfig
+from .runner_config import TensorSpec as TensorSpec
 from .timeouts import Timeouts
 from .types import DATATYPES
 from .wire import ADDRESS_FORMS, Address
 
 T = TypeVar("T")
-
-Choice = Literal["random", "least_loaded_of_two"]
-"""How an API worker picks one of a runner's connected processes for a request (the
-implementations are in `batchserve.api.choice`)."""
-CHOICES: tuple[Choice, ...] = get_args(Choice)
-
-Refuse = Literal["at_arrival", "oldest"]
-"""When a runner that cannot serve every request on time says so: each request as it arrives
-(`at_arrival`: its 503 comes at once), or, admitting all, the oldest requests when the model
-frees and their batch would end past their deadline (`oldest`: more answers on time on a tight
-limit, refusals that have waited about a batch). See docs/dispatcher.md, "Refusal modes"."""
-REFUSE_MODES: tuple[Refuse, ...] = get_args(Refuse)
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or out of range."""
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """One named tensor of a model's v2 signature; -1 marks a variable dimension."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    finite: bool = False  # the model cannot take NaN or infinity: refuse them with a 400
-    layout: Layout = "rows"  # how requests of different lengths join (see `Layout`)
-    pad_value: float = 0.0  # what fills a padded input past a request's own length
-    # False: requests are not joined on this input; the model gets one item per request.
-    batchable: bool = True
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        return DATATYPES[self.datatype]
-
-
-Layout = Literal["rows", "ragged", "pad"]
-"""How an input's requests join into a batch: stacked as rows along the batch dimension
-(`rows`), or, for a flat input of one sequence a request, concatenated into one flat tensor
-(`ragged`) or padded to the longest in the batch as rows (`pad`); see
-`batchserve.runner.core.ragged`."""
-
-BatchInputKind = Literal[
-    "element_count", "accumulated_element_count", "accumulated_element_count_with_zero"
-]
-BATCH_INPUT_KINDS: tuple[BatchInputKind, ...] = (
-    "element_count", "accumulated_element_count", "accumulated_element_count_with_zero"
-)
-
-
-@dataclass(frozen=True, slots=True)
-class BatchInput:
-    """A tensor the runner generates for each batch and passes to the model as an input named
-    `name`: per request, the element count of input `source` (or their running sum)."""
-
-    kind: BatchInputKind
-    name: str
-    source: str
-    datatype: str = "INT64"
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        return DATATYPES[self.datatype]
-
-
-@dataclass(frozen=True, slots=True)
-class Batching:
-    enabled: bool = True
-    max_batch_size: int = 64
-    max_latency_ms: float = 100.0
-    max_batch_elements: int | None = None  # the cap in elements, for ragged or pad inputs
-    refuse: Refuse = "at_arrival"
-
-
-@dataclass(frozen=True, slots=True)
-class RunnerConfig:
-    name: str
-    model: str
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-    workers: int = 1
-    batching: Batching = field(default_factory=Batching)
-    batch_dim: tuple[int, int] = (0, 0)
-    threads: int = 1
-    batch_timeout_ms: float | None = None
-    batch_inputs: tuple[BatchInput, ...] = ()
-    group_by: tuple[str, ...] = ()
-    """Request parameters that must be equal within a batch (a translation model takes one
-    source and target language a call); the model gets their values as keyword arguments."""
-    group_timing: tuple[tuple[str, Any], ...] = ()
-    """The `group_by` values the model is timed with at start-up, where the configuration
-    gives them (`group_by` as a mapping); the model's own defaults otherwise."""
-    addresses: tuple[Address, ...] = ()
-    """Where this runner's processes listen when they run apart (`batchserve runner`); empty
-    when `batchserve serve` starts them itself."""
-    choice: Choice = "random"
-
-    @property
-    def layout(self) -> Layout:
-        """`ragged` or `pad` when the runner's inputs are of variable length, else `rows`."""
-        return self.inputs[0].layout
-
-    @property
-    def max_cost(self) -> int:
-        """The batch cap in the units a batch's cost is counted in: elements for ragged or
-        pad inputs (`max_batch_elements`), rows otherwise (`max_batch_size`)."""
-        elements = self.batching.max_batch_elements
-        return self.batching.max_batch_size if elements is None else elements
-
-    @property
-    def unbatched(self) -> frozenset[str]:
-        """The inputs declared `batchable: false`, which the model gets as per-request lists."""
-        return frozenset(spec.name for spec in self.inputs if not spec.batchable)
-
-    @property
-    def batch_timeout_s(self) -> float:
-        """How long one model call may run before its requests fail (504): by default ten
-        times the latency limit, and at least a second, well above any batch that could
-        still have answered in time."""
-        if self.batch_timeout_ms is not None:
-            return self.batch_timeout_ms / 1000.0
-        return max(10.0 * self.batching.max_latency_ms, 1000.0) / 1000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +81,8 @@ class Config:
     timeouts: Timeouts = field(default_factory=Timeouts)
     root: Path = Path(".")
     transport: TransportConfig = field(default_factory=TransportConfig)
+    pipelines: Mapping[str, PipelineConfig] = field(default_factory=dict)
+    """Chains of runners served as one model each (`batchserve.runner.core.pipeline`)."""
 
 
 # --- readers: each checks one value and says what it expected ---------------------------------
@@ -255,7 +150,7 @@ def _tensor(key: str, value: Any, keys: set[str]) -> TensorSpec:
     finite = _bool(f"{key}.finite", raw.get("finite", False))
     if finite and DATATYPES[datatype].kind != "f":
         raise _fail(f"{key}.finite", finite, f"false for {datatype}, which cannot hold NaN")
-    layout, pad_value = _layout(key, raw, datatype)
+    layout, pad_value = _layout(key, raw, datatype, "input" if "pad" in keys else "output")
     batchable = _bool(f"{key}.batchable", raw.get("batchable", True))
     if not batchable and layout != "rows":
         raise ConfigError(
@@ -268,8 +163,10 @@ def _tensor(key: str, value: Any, keys: set[str]) -> TensorSpec:
     )
 
 
-def _layout(key: str, raw: Mapping[str, Any], datatype: str) -> tuple[Layout, float]:
-    """An input's `ragged: true` or `pad: {value: V}`, and the value padding fills with."""
+def _layout(key: str, raw: Mapping[str, Any], datatype: str, what: str = "input"
+            ) -> tuple[Layout, float]:
+    """An input's `ragged: true` or `pad: {value: V}` (an output's `ragged: true`), and the
+    value padding fills with."""
     ragged = _bool(f"{key}.ragged", raw.get("ragged", False))
     pad = raw.get("pad")
     if ragged and pad is not None:
@@ -279,9 +176,9 @@ def _layout(key: str, raw: Mapping[str, Any], datatype: str) -> tuple[Layout, fl
     layout: Layout = "ragged" if ragged else "pad"
     if DATATYPES[datatype].kind == "O":
         raise _fail(f"{key}.datatype", datatype, f"a datatype other than BYTES for a {layout} "
-                    "input (one sequence of numbers a request)")
+                    f"{what} (one sequence of numbers a request)")
     if raw["shape"] != [-1]:
-        raise _fail(f"{key}.shape", raw["shape"], f"[-1] for a {layout} input: one flat "
+        raise _fail(f"{key}.shape", raw["shape"], f"[-1] for a {layout} {what}: one flat "
                     "sequence a request, its length the dimension that varies")
     if ragged:
         return "ragged", 0.0
@@ -295,6 +192,7 @@ def _layout(key: str, raw: Mapping[str, Any], datatype: str) -> tuple[Layout, fl
 
 TENSOR_KEYS = {"name", "datatype", "shape", "finite"}
 INPUT_KEYS = TENSOR_KEYS | {"batchable", "ragged", "pad"}
+OUTPUT_KEYS = TENSOR_KEYS | {"ragged"}
 
 
 def _tensors(key: str, value: Any, keys: set[str] = TENSOR_KEYS) -> tuple[TensorSpec, ...]:
@@ -475,7 +373,7 @@ def _runner(key: str, name: str, value: Any) -> RunnerConfig:
         name=name,
         model=model,
         inputs=_inputs(f"{key}.inputs", raw["inputs"]),
-        outputs=_tensors(f"{key}.outputs", raw["outputs"]),
+        outputs=_tensors(f"{key}.outputs", raw["outputs"], OUTPUT_KEYS),
         workers=_int(f"{key}.workers", raw.get("workers", 1), 1),
         batching=_batching(f"{key}.batching", raw.get("batching", {})),
         threads=_int(f"{key}.threads", raw.get("threads", 1), 1),
@@ -605,7 +503,8 @@ def _transport(key: str, value: Any, root: Path) -> TransportConfig:
 
 def parse(document: Any, root: Path = Path(".")) -> Config:
     """Build a `Config` from a loaded YAML document, or raise `ConfigError`."""
-    raw = _mapping("configuration", document, {"runners", "api", "timeouts", "transport"})
+    raw = _mapping("configuration", document,
+                   {"runners", "api", "timeouts", "transport", "pipelines"})
     runners = raw.get("runners")
     if not isinstance(runners, Mapping) or not runners:
         raise _fail("runners", runners, "a mapping of at least one runner name to its settings")
@@ -620,6 +519,7 @@ def parse(document: Any, root: Path = Path(".")) -> Config:
         timeouts=_timeouts("timeouts", raw.get("timeouts", {})),
         root=root,
         transport=_transport("transport", raw.get("transport", {}), root),
+        pipelines=parse_pipelines(raw.get("pipelines"), parsed),
     )
 
 

@@ -1,0 +1,205 @@
+"""Serving a pipeline: one request carried step by step through the runners it chains.
+
+The API worker carries the chain, not the runners: a request is decoded against the
+pipeline's own signature, its tensors sent to the first step's runner as an ordinary call,
+and each answer's outputs (the raw arrays read from the wire) sent on as the next step's
+call, until the last step's outputs are the answer. Runners never learn they are steps, and
+every step takes the same road as a request for its runner alone: the runner's pool, its
+choice of process, its published backlog, its failures as the same errors. The cost is one
+more crossing per step; the gain, runners that need no word of each other (see
+docs/architecture.md, "Pipelines").
+
+The pipeline has one deadline (`batchserve.api.chain`): a request whose steps would not fit
+it is refused at the entrance (503, reason `pipeline`), each step is sent with what is left
+less the later steps' predicted time, and a step refused or failed ends the request at once:
+no later step runs, and the answer is that step's error, its message naming the step.
+Refusals are counted by step in `batchserve_pipeline_refusals_total`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+from prometheus_client import Counter
+
+from ..runner.core.config import RunnerConfig
+from ..runner.core.pipeline import PipelineConfig, Step
+from ..runner.core.retry import retry_after_s
+from ..runner.core.signature import SignatureError
+from ..runner.core.timeouts import Timeouts
+from ..runner.core.types import Tensors
+from ..runner.core.wire import FailureCode
+from . import chain, protocol
+from .backlog import Published
+from .dispatch import Pool, RunnerFailure
+from .errors import BacklogRefused, BadRequest, BatchserveError, PipelineRefused, Unavailable
+from .failures import failure_error
+from .overload import Gate
+
+__all__ = ["Chain", "Host", "Route", "pipeline_refusals"]
+
+pipeline_refusals = Counter(
+    "batchserve_pipeline_refusals_total",
+    "Pipeline requests refused (503), by the step that refused or weighed most",
+    ["pipeline", "step"],
+)
+
+
+class Host(Protocol):
+    """The exchange a chain answers through: its one answer, outputs or an error."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def deliver(self, outputs: Tensors, rows: int) -> None: ...
+
+    def fail(self, exc: BaseException) -> None: ...
+
+
+@dataclass(slots=True)
+class Route:
+    """A pipeline and what its steps are sent with in one API worker: the runners' pools,
+    their gates, the count of calls out to each."""
+
+    pipeline: PipelineConfig
+    runners: Mapping[str, RunnerConfig]
+    pools: Mapping[str, Pool]
+    gates: Mapping[str, Gate]
+    waiting: dict[str, int]
+    timeouts: Timeouts
+
+    def __post_init__(self) -> None:
+        for step in self.pipeline.steps:  # every series exists from the start: reads as 0
+            pipeline_refusals.labels(self.pipeline.name, step.runner)
+
+    def backlogs(self, now: float) -> list[Published | None]:
+        """Each step's most hopeful process's published backlog, as judged at `now`."""
+        return [self.pools[step.runner].least_backlog(now) for step in self.pipeline.steps]
+
+    def judge(self, budget_s: float, now: float, rows: float | None) -> None:
+        """Refuse at the entrance a request whose steps would not fit `budget_s` (`rows`:
+        the request's, or None before they are known)."""
+        backlogs = self.backlogs(now)
+        predicted = chain.predict(backlogs, now)
+        if not chain.refuses(predicted, budget_s):
+            return
+        worst = chain.heaviest(predicted)
+        backlog = backlogs[worst]
+        if backlog is None:
+            retry = retry_after_s(0.0)
+        else:
+            retry = retry_after_s(backlog.refuse(
+                backlog.word.request_rows if rows is None else rows))
+        runner = self.pipeline.steps[worst].runner
+        pipeline_refusals.labels(self.pipeline.name, runner).inc()
+        raise PipelineRefused(self.pipeline.name, worst, runner, retry, {
+            "predicted_ms": round(sum(predicted) * 1000, 1),
+            "deadline_ms": round(budget_s * 1000, 1), "step": worst})
+
+    def chain(self, host: Host) -> Chain:
+        return Chain(self, host)
+
+
+class Chain:
+    """One request's way through the steps: the tensors known so far, the step now out."""
+
+    __slots__ = ("route", "host", "tensors", "deadline", "index", "rows")
+
+    def __init__(self, route: Route, host: Host) -> None:
+        self.route, self.host = route, host
+        self.tensors: dict[str, np.ndarray] = {}
+        self.deadline = 0.0
+        self.index = self.rows = 0
+
+    @property
+    def step(self) -> Step:
+        return self.route.pipeline.steps[self.index]
+
+    def start(self, inputs: Tensors, rows: int, deadline: float) -> None:
+        """Judge the decoded request again, on its own budget, then send the first step."""
+        self.tensors = dict(inputs)
+        self.deadline = deadline
+        now = time.monotonic()
+        self.route.judge(deadline - now, now, rows)
+        self._send()
+
+    def _send(self) -> None:
+        """Send the current step with what is left of the deadline less the later steps."""
+        try:
+            route, step = self.route, self.step
+            runner = route.runners[step.runner]
+            inputs = {name: self.tensors[source] for name, source in step.inputs}
+            rows = self._rows(runner, inputs)
+            now = time.monotonic()
+            predicted = chain.predict(route.backlogs(now), now)
+            budget_s = chain.step_budget_s(self.deadline - now, predicted, self.index)
+            pool = route.pools[runner.name]
+            link = pool.pick()
+            if budget_s <= 0 or link.backlog.refuses(budget_s, now):
+                raise self._refused(link.backlog, budget_s, rows, now)
+            wait_s = runner.batch_timeout_s + route.timeouts.call_slack_s
+            pool.submit(inputs, rows, budget_s, (), wait_s, self._answered, 0.0, link)
+            route.waiting[runner.name] += 1
+            self.rows = rows
+        except Exception as exc:
+            self._fail(exc)
+
+    def _rows(self, runner: RunnerConfig, inputs: Mapping[str, np.ndarray]) -> int:
+        """The step's row count, by its runner's signature (a sequence an earlier step made
+        may be too long for this runner: the request's fault, a 400)."""
+        try:
+            return protocol.signature_of(runner).inputs.rows(inputs)
+        except SignatureError as exc:
+            raise BadRequest(str(exc)) from None
+
+    def _refused(self, backlog: Published, budget_s: float, rows: int, now: float
+                 ) -> Unavailable:
+        """The step's refusal on its process's backlog, or on a deadline already spent."""
+        if budget_s <= 0:
+            return Unavailable(
+                "what is left of the request's deadline would not cover this step and the "
+                "steps after it; retry later", 1.0, "pipeline",
+                {"deadline_ms": round(budget_s * 1000, 1), "step": self.index})
+        return BacklogRefused(self.step.runner, retry_after_s(backlog.refuse(rows)), {
+            "predicted_ms": round(backlog.left_s(now) * 1000, 1),
+            "deadline_ms": round(budget_s * 1000, 1), "rows_ahead": backlog.word.rows_ahead})
+
+    def _answered(self, outcome: Tensors | Exception) -> None:
+        """A step's answer: on to the next step, or the request's answer; else its error."""
+        route, step = self.route, self.step
+        route.waiting[step.runner] -= 1
+        if self.host.done:  # answered already (the server stopped meanwhile)
+            return
+        try:
+            if isinstance(outcome, RunnerFailure):
+                if outcome.failure.code == FailureCode.REFUSED:
+                    route.gates[step.runner].refused(time.monotonic())
+                raise failure_error(step.runner, outcome)
+            if isinstance(outcome, Exception):
+                raise outcome
+            for name, target in step.outputs:
+                self.tensors[target] = outcome[name]
+        except Exception as exc:
+            self._fail(exc)
+            return
+        self.index += 1
+        if self.index < len(route.pipeline.steps):
+            self._send()
+            return
+        outputs = {spec.name: self.tensors[spec.name] for spec in route.pipeline.facade.outputs}
+        self.host.deliver(outputs, self.rows)  # the rows the last step was called with
+
+    def _fail(self, exc: BaseException) -> None:
+        """End the request with the step's error, its message naming the step."""
+        name, step = self.route.pipeline.name, self.step
+        if isinstance(exc, BatchserveError):
+            exc.message = (f"pipeline {name!r}, step {self.index} (runner {step.runner!r}): "
+                           f"{exc.message}")
+            exc.args = (exc.message,)
+            if exc.status == 503:
+                pipeline_refusals.labels(name, step.runner).inc()
+        self.host.fail(exc)

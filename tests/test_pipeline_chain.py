@@ -1,0 +1,173 @@
+"""A pipeline's one deadline, on made-up backlogs and a clock the test sets: the entrance
+refuses what a later step's queue would make late, each step gets what is left less the steps
+after it, and a step's refusal ends the request before the next step is sent."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from batchserve.api import chain
+from batchserve.api.backlog import Published
+from batchserve.api.dispatch import RunnerFailure
+from batchserve.api.errors import PipelineRefused, SloRefused, Unavailable
+from batchserve.api.overload import Gate
+from batchserve.api.pipeline import Route
+from batchserve.runner.core.config import parse
+from batchserve.runner.core.timeouts import Timeouts
+from batchserve.runner.core.types import Tensors
+from batchserve.runner.core.wire import Backlog, Failure, FailureCode
+
+CONFIG = parse({
+    "runners": {
+        "first": {"model": "m:f", "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}],
+                  "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}]},
+        "second": {"model": "m:s", "inputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}],
+                   "outputs": [{"name": "z", "datatype": "FP32", "shape": [-1, 2]}]},
+    },
+    "pipelines": {"chain": {"max_latency_ms": 100,
+                            "steps": [{"runner": "first"}, {"runner": "second"}]}},
+})
+
+
+def heard(wait_s: float, at: float, least_s: float | None = None) -> Published:
+    """A process's backlog as published at `at`; first its idle time, if given."""
+    published = Published()
+    if least_s is not None:
+        published.hear(Backlog(least_s), at)
+    published.hear(Backlog(wait_s, rows_ahead=5, drain_s=wait_s), at)
+    return published
+
+
+def test_a_step_counts_what_is_left_of_its_backlog_and_never_less_than_idle() -> None:
+    published = heard(0.300, at=10.0, least_s=0.004)
+    assert published.expected_s(10.100) == pytest.approx(0.200)
+    assert published.expected_s(11.0) == pytest.approx(0.004)  # drained: its idle time
+    assert Published().expected_s(0.0) == 0.0  # never heard: nothing known
+
+
+def test_the_entrance_refuses_when_a_later_step_is_saturated() -> None:
+    predicted = chain.predict([heard(0.004, 0.0), heard(0.300, 0.0, 0.010)], now=0.050)
+    assert predicted == pytest.approx((0.004, 0.250))
+    assert chain.refuses(predicted, budget_s=0.100)
+    assert chain.heaviest(predicted) == 1
+    assert not chain.refuses(chain.predict([heard(0.004, 0.0), heard(0.030, 0.0)], 0.0), 0.100)
+
+
+def test_each_step_gets_what_is_left_less_the_steps_after_it() -> None:
+    predicted = (0.010, 0.020, 0.030)
+    assert chain.step_budget_s(0.100, predicted, 0) == pytest.approx(0.050)
+    assert chain.step_budget_s(0.070, predicted, 1) == pytest.approx(0.040)
+    assert chain.step_budget_s(0.040, predicted, 2) == pytest.approx(0.040)
+
+
+# --- the chain over stand-in pools, answered by the test --------------------------------------
+
+
+@dataclass
+class Link:
+    backlog: Published
+
+
+@dataclass
+class StubPool:
+    """A runner's pool: its one process's backlog, and the calls sent to it, kept for the
+    test to answer."""
+
+    backlog: Published = field(default_factory=Published)
+    sent: list[tuple[Tensors, int, float, Any]] = field(default_factory=list)
+
+    def least_backlog(self, now: float) -> Published:
+        return self.backlog
+
+    def pick(self) -> Link:
+        return Link(self.backlog)
+
+    def submit(self, tensors: Tensors, rows: int, budget_s: float, group: tuple[str, ...],
+               wait_s: float, done: Any, spent_s: float, link: Any) -> None:
+        self.sent.append((tensors, rows, budget_s, done))
+
+
+@dataclass
+class Host:
+    done: bool = False
+    answer: Any = None
+
+    def deliver(self, outputs: Tensors, rows: int) -> None:
+        self.done, self.answer = True, (outputs, rows)
+
+    def fail(self, exc: BaseException) -> None:
+        self.done, self.answer = True, exc
+
+
+@pytest.fixture
+def pools() -> dict[str, StubPool]:
+    return {"first": StubPool(), "second": StubPool()}
+
+
+def route(pools: dict[str, StubPool]) -> Route:
+    return Route(CONFIG.pipelines["chain"], CONFIG.runners, pools,  # type: ignore[arg-type]
+                 {name: Gate() for name in pools}, dict.fromkeys(pools, 0), Timeouts())
+
+
+def test_the_route_refuses_at_the_entrance_naming_the_heaviest_step(
+        pools: dict[str, StubPool]) -> None:
+    pools["second"].backlog = heard(0.500, at=0.0)
+    with pytest.raises(PipelineRefused) as info:
+        route(pools).judge(0.100, now=0.100, rows=1)
+    assert info.value.reason == "pipeline"
+    assert info.value.details["step"] == 1
+    assert "step 1, runner 'second'" in info.value.message
+    assert pools["first"].sent == [] and pools["second"].sent == []
+
+
+def test_a_step_is_sent_with_the_deadline_less_the_steps_after_it(
+        pools: dict[str, StubPool], monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("batchserve.api.pipeline.time.monotonic", lambda: clock[0])
+    pools["second"].backlog = heard(0.030, at=100.0)
+    host = Host()
+    x = np.ones((3, 2), np.float32)
+    route(pools).chain(host).start({"x": x}, 3, deadline=100.100)
+    (tensors, rows, budget_s, done), = pools["first"].sent
+    assert rows == 3 and tensors["x"] is x
+    assert budget_s == pytest.approx(0.100 - 0.030)
+    clock[0] = 100.050  # step one answers 50 ms later: the second step gets what is left
+    y = 2 * x
+    done({"y": y})
+    (tensors, rows, budget_s, done), = pools["second"].sent
+    assert tensors["y"] is y and budget_s == pytest.approx(0.050)
+    done({"z": 3 * x})
+    outputs, rows = host.answer
+    assert rows == 3 and np.array_equal(outputs["z"], 3 * x)
+
+
+def test_a_step_refused_ends_the_request_before_the_next_is_sent(
+        pools: dict[str, StubPool]) -> None:
+    host = Host()
+    route(pools).chain(host).start({"x": np.ones((1, 2), np.float32)}, 1, deadline=math.inf)
+    (_, _, _, done), = pools["first"].sent
+    done(RunnerFailure(Failure(1, FailureCode.REFUSED, "refused", 2.0)))
+    assert isinstance(host.answer, SloRefused) and host.answer.status == 503
+    assert host.answer.message.startswith("pipeline 'chain', step 0 (runner 'first'): ")
+    assert pools["second"].sent == []
+
+
+def test_a_step_whose_share_of_the_deadline_is_spent_is_not_sent(
+        pools: dict[str, StubPool], monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr("batchserve.api.pipeline.time.monotonic", lambda: clock[0])
+    host = Host()
+    route(pools).chain(host).start({"x": np.ones((1, 2), np.float32)}, 1, deadline=0.100)
+    (_, _, _, done), = pools["first"].sent
+    clock[0] = 0.150  # the first step answered past the whole deadline
+    done({"y": np.ones((1, 2), np.float32)})
+    assert isinstance(host.answer, Unavailable) and host.answer.reason == "pipeline"
+    assert host.answer.message.startswith(
+        "pipeline 'chain', step 1 (runner 'second'): what is left of the request's deadline "
+        "would not cover this step")
+    assert pools["second"].sent == []
