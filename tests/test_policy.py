@@ -130,6 +130,45 @@ def test_the_heavy_tail_adds_over_batches_as_a_cube_norm_the_normal_spread_in_qu
     assert policy.promised_finish(1, 0.0) < 0.08 + 1.0 * math.sqrt(2.0) * one
 
 
+def test_the_reserve_falls_while_answers_come_in_time_and_rises_when_one_is_late() -> None:
+    tuning = Tuning()
+    policy = AdaptivePolicy(64, SLO)
+    # A normal spread of 5% and no heavy tail: k * spread = 0.15, and nothing else reserved.
+    policy.apply_fit(Fit(intercept_s=0.04, slope_s=0.0, spread=0.05, factor=1.15, samples=1))
+    ident, now = 0, 0.0
+
+    def serve(elapsed: float = 0.04) -> float:
+        """One request at an idle model, its batch taking `elapsed` (0.1 s is its limit); the
+        spreads of normal noise a request arriving behind that batch was promised."""
+        nonlocal ident, now
+        assert policy.offer(request(ident, now), now)
+        batch = policy.poll(now).batch
+        assert batch is not None
+        # Behind the running batch, the request's own: 0.08 in the mean, plus the reserve.
+        spreads = (policy.promised_finish(1, now) - (now + 0.08)) / (0.15 / 3.0 * 0.04
+                                                                     * math.sqrt(2.0))
+        policy.complete(batch, now, now + elapsed)
+        policy.poll(now + elapsed)  # idle, nothing queued: the next batch goes out from idle
+        ident, now = ident + 1, now + 0.2
+        return spreads
+
+    assert serve() == pytest.approx(tuning.promise_k)
+    # Each answer in time earns `late_share` of a late one (2,500 answers for one): nothing
+    # falls until the allowance covers a batch, here one answer.
+    for _ in range(2_400):
+        assert serve() == pytest.approx(tuning.promise_k)
+    falling = [serve() for _ in range(2_000)]
+    assert falling[-1] < tuning.promise_k
+    assert falling[-1000] - falling[-1] == pytest.approx(999 * tuning.reserve_fall)
+    for _ in range(5_000):
+        serve()
+    assert serve() == pytest.approx(tuning.promise_floor)  # and no lower
+    serve(0.15)  # one answer late
+    assert serve() == pytest.approx(tuning.promise_k)  # back at once
+    # The allowance earned over 9,400 answers, less the late one, still covers a batch.
+    assert serve() == pytest.approx(tuning.promise_k - tuning.reserve_fall)
+
+
 def test_a_request_the_cap_would_make_late_rides_the_next_batch_if_it_has_time() -> None:
     policy = adaptive()
     policy.offer(request(0, 0.0), 0.0)

@@ -82,6 +82,10 @@ class AdaptivePolicy:
             window=tuning.gap_window, every=tuning.gap_every, quantile=tuning.gap_quantile
         )
         self._refusal: Refusal | None = None
+        # Spreads of normal noise a promise keeps (`_reserve`), and the late answers it may
+        # still spend (`_learn_lateness`).
+        self.promise_k = tuning.promise_k
+        self._late_allowance = 0.0
         self._use(Fit())
 
     # --- the contract ---------------------------------------------------------------------
@@ -128,12 +132,36 @@ class AdaptivePolicy:
         after = busy.last_finished if busy.chained else busy.released
         self._gaps.add(max(0.0, started - after))
         busy.last_finished, busy.just_completed = finished, True
+        self._learn_lateness(batch, finished)
         elapsed = finished - started
         rows = batch.rows
         if self.model.add(rows, elapsed, elapsed if cpu_s is None else cpu_s):
             refits.shifted = True
         refits.fresh += 1
         refits.fresh_rows += rows
+
+    def _learn_lateness(self, batch: Batch, finished: float) -> None:
+        """Move the promise's reserve with the lateness its answers show.
+
+        Every answer earns an allowance of `late_share` late answers, every late one spends
+        one, and the allowance decays over `late_window` answers. A late answer puts the
+        reserve back at `promise_k` at once; while none is late and the allowance would cover
+        this whole batch late, it falls toward `promise_floor` (`Tuning.reserve_fall`). So the
+        reserve only takes risks the late target can pay for: on a tight limit with small
+        batches it falls within a few thousand answers, while with large batches, of which
+        one late is more than the target allows, it stays where it was.
+        """
+        tuning = self.tuning
+        answers = len(batch.requests)
+        late = sum(1 for request in batch.requests if finished > request.deadline)
+        decay = max(0.0, 1.0 - answers / tuning.late_window)
+        self._late_allowance = (self._late_allowance * decay
+                                + tuning.late_share * answers - late)
+        if late:
+            self.promise_k = tuning.promise_k
+        elif self._late_allowance >= answers:
+            self.promise_k = max(tuning.promise_floor,
+                                 self.promise_k - tuning.reserve_fall * answers)
 
     def stats(self, now: float) -> PolicyStats:
         fit = self._costs.fit
@@ -390,7 +418,7 @@ class AdaptivePolicy:
         normal = min(margin, k * self._costs.fit.spread)
         tail = margin - normal
         line_s = self._costs.fit.line_error(sums.batches, sums.rows)
-        normal_part = self.tuning.promise_k / k * math.sqrt(
+        normal_part = self.promise_k / k * math.sqrt(
             normal * normal * sums.squares + k * k * line_s * line_s)
         tail_part = tail * sums.tail_norm()
         gap_s = self._gaps.high - self._gaps.mean

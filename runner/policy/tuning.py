@@ -18,7 +18,25 @@ class Tuning:
     """Spreads above the line that a batch's high quantile sits (about its p99.9)."""
     promise_k: float = 3.3
     """The same for a promise over several batches: a little higher, for the 0.1% late target
-    summed over the batches a request waits for."""
+    summed over the batches a request waits for. The most a promise keeps, where it starts,
+    and where it goes back at once when an answer is late (`late_share`)."""
+    promise_floor: float = 2.0
+    """The fewest spreads a promise keeps however long answers come in time: on `tight_12ms`,
+    a fixed 2.0 is late 0.10%, the bound."""
+    late_share: float = 0.0004
+    """The share of answers the reserve may spend late, well under the 0.1% bound. Each answer
+    adds it to an allowance and each late one takes one off; the reserve falls below
+    `promise_k` only while the allowance would cover the whole of the batch just answered
+    arriving late. Lateness comes a batch at a time: at cap 256 on the grid's overloaded
+    cells, one late batch is 0.2% of a run, so a reserve that fell until it saw lateness
+    was late 0.10-0.29% there, where 3.3 is late under 0.05%. Batches of a few answers, as
+    on tight limits, earn their allowance within a few thousand answers."""
+    late_window: float = 100_000.0
+    """Answers over which the allowance is earned: it decays by 1/`late_window` an answer, so
+    it holds at most `late_share * late_window` (40) answers and old lateness is forgiven."""
+    reserve_fall: float = 0.00026
+    """Spreads the reserve falls by for each answer in time while the allowance covers a
+    batch: from `promise_k` to `promise_floor` in 5,000 answers."""
     shed_alone_k: float = 0.25
     """Spreads above the line at which `refuse: oldest` judges a batch that takes every row
     there is (the heavy tail beyond the spread left out): with no younger request to take
