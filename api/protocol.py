@@ -457,7 +457,11 @@ def server_metadata() -> bytes:
     return _SERVER_METADATA
 
 
-def model_metadata(runner: RunnerConfig) -> bytes:
+def model_metadata(runner: RunnerConfig, ensemble: bool = False) -> bytes:
     """`GET /v2/models/{name}`: versions, platform, the signature's inputs and outputs, and
-    `parameters` with the batch limit and the batch dimensions a client splits along."""
-    return _signature(runner).metadata
+    `parameters` with the batch limit and the batch dimensions a client splits along. A
+    pipeline's facade (`ensemble`) says `platform: "ensemble"`, as Triton says of its own."""
+    metadata = _signature(runner).metadata
+    if not ensemble:
+        return metadata
+    return metadata.replace(b'"platform":"batchserve"', b'"platform":"ensemble"', 1)

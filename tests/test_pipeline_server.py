@@ -99,6 +99,8 @@ def test_a_triton_client_calls_the_chain_as_the_steps_in_turn(chain: Server) -> 
     assert whole.argmax(axis=1).tolist() == [0, 2]
     config = client.get_model_config("classify")
     assert config["platform"] == "ensemble"
+    assert client.get_model_metadata("classify")["platform"] == "ensemble"
+    assert client.get_model_metadata("iris_clf")["platform"] == "batchserve"
     assert config["ensemble_scheduling"]["step"] == [
         {"model_name": "double", "model_version": -1, "input_map": {"x": "x"},
          "output_map": {"y": "y"}},
@@ -195,6 +197,8 @@ def test_the_grpc_door_serves_the_chain_too(serve: Callable[..., Server]) -> Non
     assert [step["model_name"] for step in config["ensemble_scheduling"]["step"]] == [
         "double", "iris_clf"]
     assert client.is_model_ready("classify")
+    assert client.get_model_metadata("classify", as_json=True)["platform"] == "ensemble"
+    assert client.get_model_metadata("double", as_json=True)["platform"] == "batchserve"
 
 
 def test_the_bundled_classify_is_tokenize_then_text(serve: Callable[..., Server]) -> None:

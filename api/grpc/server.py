@@ -139,7 +139,8 @@ class InferenceService:
 
     async def model_metadata(self, request: Any, context: Any) -> Any:
         runner = self.service.runner(request.name, request.version or None)
-        return _parse("ModelMetadataResponse", protocol.model_metadata(runner))
+        ensemble = runner.name in self.service.config.pipelines
+        return _parse("ModelMetadataResponse", protocol.model_metadata(runner, ensemble))
 
     async def model_config(self, request: Any, context: Any) -> Any:
         runner = self.service.runner(request.name, request.version or None)

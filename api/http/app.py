@@ -208,7 +208,8 @@ def _routes(service: Service, config: Config) -> list[Route]:
         return _json(protocol.server_metadata())
 
     async def model_metadata(request: Request) -> Response:
-        return _json(protocol.model_metadata(runner_of(request)))
+        runner = runner_of(request)
+        return _json(protocol.model_metadata(runner, runner.name in config.pipelines))
 
     async def model_ready(request: Request) -> Response:
         up = service.model_ready(runner_of(request).name)
