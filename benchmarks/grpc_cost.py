@@ -48,6 +48,7 @@ from batchserve.api.bench.cpu import cpu_between, cpu_by_pid, server_cpu
 from batchserve.api.bench.loadgen import loop_factory, run_load
 from batchserve.api.bench.server import free_port, serve
 from benchmarks import request_path
+from benchmarks.live_table import replace_block
 from benchmarks.peers.launch import started
 from benchmarks.peers.peer import FEATURES, make_shim
 from benchmarks.peers.shared_client import TOOLS
@@ -307,15 +308,6 @@ def profile_table(session: Session) -> str:
                                   for r in session.rates})
 
 
-def write_doc(path: Path, text: str, start: str = START, end: str = END) -> None:
-    page = path.read_text()
-    head, found, rest = page.partition(start)
-    if not found:
-        raise RuntimeError(f"{path} has no {start} marker")
-    _, _, tail = rest.partition(end)
-    path.write_text(f"{head}{start}\n{text}\n{end}{tail}")
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.grpc_cost",
                                 description=__doc__.split("\n\n")[0])
@@ -354,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "grpc-cost.json").write_bytes(
         orjson.dumps(saved, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
     if args.doc:
-        write_doc(Path(args.doc), text)
+        replace_block(Path(args.doc), text, START, END)
     return 0
 
 

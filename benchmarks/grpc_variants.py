@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from batchserve.api.bench.server import free_port
 from benchmarks import grpc_cost
+from benchmarks.live_table import replace_block
 
 START = "<!-- grpc variants: start -->"
 END = "<!-- grpc variants: end -->"
@@ -229,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = grpc_cost.markdown(session, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(text)
     if args.doc:
-        grpc_cost.write_doc(Path(args.doc), text, START, END)
+        replace_block(Path(args.doc), text, START, END)
     return 0
 
 
