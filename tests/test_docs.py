@@ -155,6 +155,21 @@ def test_the_readme_own_model_example_loads_and_answers(tmp_path: Path) -> None:
     assert outputs["y"].dtype == np.float32
 
 
+def test_the_readme_prints_the_scores_a_fresh_install_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The curl example's answer is what `iris_clf` trains to here, not a stale cache's."""
+    from batchserve.runner.bundled import iris_classifier
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    request = json.loads(block(section(README.read_text(), "## One request"), "sh")
+                         .split("-d '", 1)[1].rsplit("'", 1)[0])
+    printed = json.loads(block(section(README.read_text(), "## One request"), "json"))
+    rows = np.array(request["inputs"][0]["data"], np.float32)
+    scores = iris_classifier()(rows)
+    assert np.allclose(printed["outputs"][0]["data"], scores.ravel(), rtol=1e-4, atol=1e-9)
+
+
 def test_the_readme_is_a_front_door() -> None:
     assert len(README.read_bytes()) <= 20 * 1024
 
