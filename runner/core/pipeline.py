@@ -141,14 +141,21 @@ def _step(key: str, value: Any, runners: Mapping[str, RunnerConfig],
     return Step(name, inputs, outputs)
 
 
+def _tensor_map(key: str, value: Any, runner: RunnerConfig, kind: str,
+                specs: tuple[TensorSpec, ...]) -> Mapping[str, Any]:
+    """A step's `input_map` or `output_map`, each key one of the runner's `kind`s (`specs`)."""
+    given = _mapping(key, value)
+    names = [spec.name for spec in specs]
+    for name in given:
+        if name not in names:
+            raise ConfigError(f"{key}.{name} is not an {kind} of runner {runner.name!r}; its "
+                              f"{kind}s are: {', '.join(names)}")
+    return given
+
+
 def _input_map(key: str, value: Any, runner: RunnerConfig, known: _Tensors, where: str
                ) -> tuple[tuple[str, str], ...]:
-    given = _mapping(key, value)
-    specs = {spec.name: spec for spec in runner.inputs}
-    for name in given:
-        if name not in specs:
-            raise ConfigError(f"{key}.{name} is not an input of runner {runner.name!r}; its "
-                              f"inputs are: {', '.join(specs)}")
+    given = _tensor_map(key, value, runner, "input", runner.inputs)
     pairs = []
     for spec in runner.inputs:
         if spec.name in given:
@@ -163,12 +170,7 @@ def _input_map(key: str, value: Any, runner: RunnerConfig, known: _Tensors, wher
 
 def _output_map(key: str, value: Any, runner: RunnerConfig, known: _Tensors, where: str
                 ) -> tuple[tuple[str, str], ...]:
-    given = _mapping(key, value)
-    specs = {spec.name: spec for spec in runner.outputs}
-    for name in given:
-        if name not in specs:
-            raise ConfigError(f"{key}.{name} is not an output of runner {runner.name!r}; its "
-                              f"outputs are: {', '.join(specs)}")
+    given = _tensor_map(key, value, runner, "output", runner.outputs)
     pairs = []
     for spec in runner.outputs:
         target = _name(f"{key}.{spec.name}", given.get(spec.name, spec.name))
