@@ -32,12 +32,11 @@ from ..runner.core.retry import retry_after_s
 from ..runner.core.signature import SignatureError
 from ..runner.core.timeouts import Timeouts
 from ..runner.core.types import Tensors
-from ..runner.core.wire import FailureCode
 from . import chain, protocol
 from .backlog import Published
-from .dispatch import Pool, RunnerFailure
+from .dispatch import Pool
 from .errors import BacklogRefused, BadRequest, BatchserveError, PipelineRefused, Unavailable
-from .failures import failure_error
+from .failures import outputs_of
 from .overload import Gate
 
 __all__ = ["Chain", "Host", "Route", "pipeline_refusals"]
@@ -171,20 +170,15 @@ class Chain:
     def _answered(self, outcome: Tensors | Exception) -> None:
         """A step's answer: on to the next step, or the request's answer; else its error."""
         route, step = self.route, self.step
-        route.waiting[step.runner] -= 1
-        if self.host.done:  # answered already (the server stopped meanwhile)
-            return
         try:
-            if isinstance(outcome, RunnerFailure):
-                if outcome.failure.code == FailureCode.REFUSED:
-                    route.gates[step.runner].refused(time.monotonic())
-                raise failure_error(step.runner, outcome)
-            if isinstance(outcome, Exception):
-                raise outcome
+            outputs = outputs_of(step.runner, outcome, route.waiting, route.gates[step.runner])
+            if self.host.done:  # answered already (the server stopped meanwhile)
+                return
             for name, target in step.outputs:
-                self.tensors[target] = outcome[name]
+                self.tensors[target] = outputs[name]
         except Exception as exc:
-            self._fail(exc)
+            if not self.host.done:
+                self._fail(exc)
             return
         self.index += 1
         if self.index < len(route.pipeline.steps):
