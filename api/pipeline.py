@@ -13,7 +13,8 @@ The pipeline has one deadline (`batchserve.api.chain`): a request whose steps wo
 it is refused at the entrance (503, reason `pipeline`), each step is sent with what is left
 less the later steps' predicted time, and a step refused or failed ends the request at once:
 no later step runs, and the answer is that step's error, its message naming the step.
-Refusals are counted by step in `batchserve_pipeline_refusals_total`.
+Refusals are counted by step (its position and runner) in
+`batchserve_pipeline_refusals_total`.
 """
 
 from __future__ import annotations
@@ -44,8 +45,14 @@ __all__ = ["Chain", "Host", "Route", "pipeline_refusals"]
 pipeline_refusals = Counter(
     "batchserve_pipeline_refusals_total",
     "Pipeline requests refused (503), by the step that refused or weighed most",
-    ["pipeline", "step"],
+    ["pipeline", "step", "runner"],
 )
+
+
+def count_refusal(pipeline: str, index: int, runner: str, by: float = 1.0) -> None:
+    """Count a refusal of step `index` (its position, from 0) of `pipeline`: a runner used
+    twice in one chain is two steps, counted apart. `by` 0 makes the series exist."""
+    pipeline_refusals.labels(pipeline, str(index), runner).inc(by)
 
 
 class Host(Protocol):
@@ -72,8 +79,8 @@ class Route:
     timeouts: Timeouts
 
     def __post_init__(self) -> None:
-        for step in self.pipeline.steps:  # every series exists from the start: reads as 0
-            pipeline_refusals.labels(self.pipeline.name, step.runner)
+        for index, step in enumerate(self.pipeline.steps):  # every series reads 0 from the start
+            count_refusal(self.pipeline.name, index, step.runner, 0.0)
 
     def backlogs(self, now: float) -> list[Published | None]:
         """Each step's most hopeful process's published backlog, as judged at `now`."""
@@ -94,7 +101,7 @@ class Route:
             retry = retry_after_s(backlog.refuse(
                 backlog.word.request_rows if rows is None else rows))
         runner = self.pipeline.steps[worst].runner
-        pipeline_refusals.labels(self.pipeline.name, runner).inc()
+        count_refusal(self.pipeline.name, worst, runner)
         raise PipelineRefused(self.pipeline.name, worst, runner, retry, {
             "predicted_ms": round(sum(predicted) * 1000, 1),
             "deadline_ms": round(budget_s * 1000, 1), "step": worst})
@@ -195,5 +202,5 @@ class Chain:
                            f"{exc.message}")
             exc.args = (exc.message,)
             if exc.status == 503:
-                pipeline_refusals.labels(name, step.runner).inc()
+                count_refusal(name, self.index, step.runner)
         self.host.fail(exc)

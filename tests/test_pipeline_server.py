@@ -146,7 +146,7 @@ def test_a_saturated_later_step_refuses_at_the_entrance(chain: Server) -> None:
     # Refused before any step ran: the first step took no batch for it.
     assert metric(chain, "batchserve_batches_total", runner="double") == before
     assert metric(chain, "batchserve_pipeline_refusals_total", pipeline="sleepy",
-                  step="nap") == 1
+                  step="1", runner="nap") == 1
 
 
 def test_a_failing_step_ends_the_request_before_the_next_runs(chain: Server) -> None:
