@@ -113,22 +113,27 @@ class Route:
 class Chain:
     """One request's way through the steps: the tensors known so far, the step now out."""
 
-    __slots__ = ("route", "host", "tensors", "deadline", "index", "rows")
+    __slots__ = ("route", "host", "tensors", "deadline", "index", "rows", "group")
 
     def __init__(self, route: Route, host: Host) -> None:
         self.route, self.host = route, host
         self.tensors: dict[str, np.ndarray] = {}
         self.deadline = 0.0
         self.index = self.rows = 0
+        self.group: tuple[str, ...] = ()
 
     @property
     def step(self) -> Step:
         return self.route.pipeline.steps[self.index]
 
-    def start(self, inputs: Tensors, rows: int, deadline: float) -> None:
-        """Judge the decoded request again, on its own budget, then send the first step."""
+    def start(self, inputs: Tensors, rows: int, deadline: float, group: tuple[str, ...] = ()
+              ) -> None:
+        """Judge the decoded request again, on its own budget, then send the first step.
+        `group` holds the request's values of the pipeline's `group_by` parameters: each step
+        is sent with its runner's, as a request for that runner alone would be."""
         self.tensors = dict(inputs)
         self.deadline = deadline
+        self.group = group
         now = time.monotonic()
         self.route.judge(deadline - now, now, rows)
         self._send()
@@ -148,7 +153,8 @@ class Chain:
             if budget_s <= 0 or link.backlog.refuses(budget_s, now):
                 raise self._refused(link.backlog, budget_s, rows, now)
             wait_s = runner.batch_timeout_s + route.timeouts.call_slack_s
-            pool.submit(inputs, rows, budget_s, (), wait_s, self._answered, 0.0, link)
+            group = route.pipeline.group_of(runner, self.group)
+            pool.submit(inputs, rows, budget_s, group, wait_s, self._answered, 0.0, link)
             route.waiting[runner.name] += 1
             self.rows = rows
         except Exception as exc:

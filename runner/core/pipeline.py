@@ -13,7 +13,8 @@ earlier step makes (so there are no cycles), in the datatype and shape it was ma
 tensor is made twice. The pipeline also gets a `RunnerConfig` of its own (`facade`), holding
 the request's inputs and the answer's outputs under the pipeline's name and limit: what the
 API decodes a request against, encodes an answer with and describes in metadata, exactly as
-for a runner. Nothing here knows of the API; runners never learn they are steps.
+for a runner; its `group_by` is every step's, so a request brings the parameters each
+step's runner batches by. Nothing here knows of the API; runners never learn they are steps.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ class PipelineConfig:
     @property
     def runners(self) -> tuple[str, ...]:
         return tuple(step.runner for step in self.steps)
+
+    def group_of(self, runner: RunnerConfig, values: tuple[str, ...]) -> tuple[str, ...]:
+        """A step's `group_by` values, out of the request's `values` for the whole chain
+        (in the order of `facade.group_by`, as the request's parameters were decoded)."""
+        names = self.facade.group_by
+        return tuple(values[names.index(name)] for name in runner.group_by)
 
 
 PIPELINE_KEYS = {"max_latency_ms", "steps", "outputs"}
@@ -131,11 +138,6 @@ def _step(key: str, value: Any, runners: Mapping[str, RunnerConfig],
     if name not in runners:
         raise _fail(f"{key}.runner", name, "the name of a runner: " + ", ".join(runners))
     runner = runners[name]
-    if runner.group_by:
-        raise ConfigError(
-            f"{key}.runner has value {name!r}, a runner that batches by request parameters "
-            f"(group_by: {', '.join(runner.group_by)}); a pipeline step takes tensors only"
-        )
     inputs = _input_map(f"{key}.input_map", raw.get("input_map", {}), runner, known, where)
     outputs = _output_map(f"{key}.output_map", raw.get("output_map", {}), runner, known, where)
     return Step(name, inputs, outputs)
@@ -229,6 +231,9 @@ def _facade(key: str, name: str, limit_ms: float, steps: tuple[Step, ...],
                 f"{requested[0][0]!r}, read by {first_where} (its layout or batch dimension "
                 "differs); a request's inputs must batch alike")
     last = runners[steps[-1].runner]
+    chained = [runners[step.runner] for step in steps]
+    group_by = tuple(dict.fromkeys(name for runner in chained for name in runner.group_by))
+    timed = {name: value for runner in reversed(chained) for name, value in runner.group_timing}
     return RunnerConfig(
         name=name,
         model=f"pipeline:{name}",
@@ -237,6 +242,8 @@ def _facade(key: str, name: str, limit_ms: float, steps: tuple[Step, ...],
         batching=Batching(max_batch_size=first.batching.max_batch_size, max_latency_ms=limit_ms,
                           max_batch_elements=first.batching.max_batch_elements),
         batch_dim=(first.batch_dim[0], last.batch_dim[1]),
+        group_by=group_by,
+        group_timing=tuple((name, timed[name]) for name in group_by if name in timed),
     )
 
 
