@@ -9,9 +9,10 @@ choice of process, its published backlog, its failures as the same errors. The c
 more crossing per step; the gain, runners that need no word of each other (see
 docs/architecture.md, "Pipelines").
 
-The pipeline has one deadline (`batchserve.api.chain`): a request whose steps would not fit
-it is refused at the entrance (503, reason `pipeline`), each step is sent with what is left
-less the later steps' predicted time, and a step refused or failed ends the request at once:
+The pipeline has one deadline (`batchserve.runner.policy.chain`, on the steps' times as
+`batchserve.api.chain` predicts them): a request whose steps would not fit it is refused at
+the entrance (503, reason `pipeline`), each step is sent with what is left less the later
+steps' predicted time, and a step refused or failed ends the request at once:
 no later step runs, and the answer is that step's error, its message naming the step.
 Refusals are counted by step (its position and runner) in
 `batchserve_pipeline_refusals_total`.
@@ -33,8 +34,10 @@ from ..runner.core.retry import retry_after_s
 from ..runner.core.signature import SignatureError
 from ..runner.core.timeouts import Timeouts
 from ..runner.core.types import Tensors
-from . import chain, protocol
+from ..runner.policy import chain as deadline
+from . import protocol
 from .backlog import Published
+from .chain import predict
 from .dispatch import Pool
 from .errors import BacklogRefused, BadRequest, BatchserveError, PipelineRefused, Unavailable
 from .failures import outputs_of
@@ -90,10 +93,10 @@ class Route:
         """Refuse at the entrance a request whose steps would not fit `budget_s` (`rows`:
         the request's, or None before they are known)."""
         backlogs = self.backlogs(now)
-        predicted = chain.predict(backlogs, now)
-        if not chain.refuses(predicted, budget_s):
+        predicted = predict(backlogs, now)
+        if not deadline.refuses(predicted, budget_s):
             return
-        worst = chain.heaviest(predicted)
+        worst = deadline.heaviest(predicted)
         backlog = backlogs[worst]
         if backlog is None:
             retry = retry_after_s(0.0)
@@ -146,8 +149,8 @@ class Chain:
             inputs = {name: self.tensors[source] for name, source in step.inputs}
             rows = self._rows(runner, inputs)
             now = time.monotonic()
-            predicted = chain.predict(route.backlogs(now), now)
-            budget_s = chain.step_budget_s(self.deadline - now, predicted, self.index)
+            predicted = predict(route.backlogs(now), now)
+            budget_s = deadline.step_budget_s(self.deadline - now, predicted, self.index)
             pool = route.pools[runner.name]
             link = pool.pick()
             if budget_s <= 0 or link.backlog.refuses(budget_s, now):

@@ -22,6 +22,7 @@ from batchserve.runner.core.config import parse
 from batchserve.runner.core.timeouts import Timeouts
 from batchserve.runner.core.types import Tensors
 from batchserve.runner.core.wire import Backlog, Failure, FailureCode
+from batchserve.runner.policy import chain as deadline
 
 CONFIG_RUNNERS = {
     "first": {"model": "m:f", "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}],
@@ -55,16 +56,16 @@ def test_a_step_counts_what_is_left_of_its_backlog_and_never_less_than_idle() ->
 def test_the_entrance_refuses_when_a_later_step_is_saturated() -> None:
     predicted = chain.predict([heard(0.004, 0.0), heard(0.300, 0.0, 0.010)], now=0.050)
     assert predicted == pytest.approx((0.004, 0.250))
-    assert chain.refuses(predicted, budget_s=0.100)
-    assert chain.heaviest(predicted) == 1
-    assert not chain.refuses(chain.predict([heard(0.004, 0.0), heard(0.030, 0.0)], 0.0), 0.100)
+    assert deadline.refuses(predicted, budget_s=0.100)
+    assert deadline.heaviest(predicted) == 1
+    assert not deadline.refuses(chain.predict([heard(0.004, 0.0), heard(0.030, 0.0)], 0.0), 0.100)
 
 
 def test_each_step_gets_what_is_left_less_the_steps_after_it() -> None:
     predicted = (0.010, 0.020, 0.030)
-    assert chain.step_budget_s(0.100, predicted, 0) == pytest.approx(0.050)
-    assert chain.step_budget_s(0.070, predicted, 1) == pytest.approx(0.040)
-    assert chain.step_budget_s(0.040, predicted, 2) == pytest.approx(0.040)
+    assert deadline.step_budget_s(0.100, predicted, 0) == pytest.approx(0.050)
+    assert deadline.step_budget_s(0.070, predicted, 1) == pytest.approx(0.040)
+    assert deadline.step_budget_s(0.040, predicted, 2) == pytest.approx(0.040)
 
 
 # --- the chain over stand-in pools, answered by the test --------------------------------------
