@@ -1,7 +1,8 @@
 """A discrete-event simulator that runs the real policy code against a synthetic model.
 
 `batchserve simulate SCENARIO.yml [--policy adaptive|fixed|none|bentoml] [--window-ms W]
-[--cap N] [--seed S] [--json]`. Time is virtual: the policy sees the simulator's
+[--cap N] [--seed S] [--json]`; with `--pipeline NAME [--config PATH]`, a pipeline's steps in
+turn (`batchserve.runner.sim.pipeline`). Time is virtual: the policy sees the simulator's
 clock, a batch of n rows costs `(intercept + per_item * n) * lognormal(0, noise)` of CPU (or a
 recorded batch's), its wall time is that cost inflated by contention, a heavy tail and stalls
 when the scenario asks for them (`batchserve.runner.sim.batch_times`), and Poisson traffic is
@@ -22,12 +23,15 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
-from ..core.config import REFUSE_MODES
+from ..core.config import REFUSE_MODES, load
 from ..policy.base import Batch, Policy, Request
 from ..policy.policies import NAMES, make_policy
 from .batch_times import BatchTimer
+from .pipeline import describe as describe_pipeline
+from .pipeline import simulate_pipeline, stations
 from .scenario import Scenario, load_scenario
 from .trace import (
     CostClock,
@@ -312,7 +316,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a batching policy through a traffic scenario on a virtual clock.",
     )
     parser.add_argument("scenario", help="a scenario YAML file (see benchmarks/scenarios/)")
-    parser.add_argument("--policy", choices=NAMES, default="adaptive")
+    parser.add_argument("--pipeline", help="simulate this pipeline of --config: its steps in "
+                        "turn, each its runner's policy, under its one limit")
+    parser.add_argument("--config", type=Path, default=Path("configuration.yml"),
+                        help="the configuration that holds --pipeline (default: %(default)s)")
+    parser.add_argument("--policy", choices=NAMES)
     parser.add_argument("--window-ms", type=float, help="window of --policy fixed")
     parser.add_argument("--cap", type=int, help="batch cap of --policy fixed")
     parser.add_argument("--seed", type=int, help="override the scenario's seed")
@@ -326,6 +334,13 @@ def main(argv: list[str]) -> int:
     """`batchserve simulate ...`; returns the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.pipeline is not None:
+        if args.policy or args.window_ms is not None or args.cap is not None \
+                or args.refuse != "at_arrival":
+            parser.error("--policy, --window-ms, --cap and --refuse apply to one runner; each "
+                         "step of --pipeline runs the policy its runner is configured with")
+        return _simulate_pipeline(args)
+    args.policy = args.policy or "adaptive"
     kw: dict[str, Any] = {}
     if args.policy == "fixed":
         kw["window_s"] = (DEFAULT_FIXED_WINDOW_MS if args.window_ms is None else args.window_ms)
@@ -345,6 +360,18 @@ def main(argv: list[str]) -> int:
         print(f"batchserve simulate: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_json()) if args.json else _describe(result))
+    return 0
+
+
+def _simulate_pipeline(args: argparse.Namespace) -> int:
+    try:
+        scenario, steps = stations(load(args.config), args.pipeline,
+                                   load_scenario(args.scenario), str(args.config))
+        result = simulate_pipeline(scenario, args.pipeline, steps, seed=args.seed)
+    except ValueError as exc:
+        print(f"batchserve simulate: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_json()) if args.json else describe_pipeline(result))
     return 0
 
 
