@@ -1,5 +1,6 @@
-"""A pipeline in the simulator: its steps in turn, each its runner's policy, under one
-deadline; a saturated later step refuses at the entrance; the command's errors in one line."""
+"""A pipeline in the simulator and the planner: its steps in turn, each its runner's policy,
+under one deadline; a saturated later step refuses at the entrance; a plan of the bundled
+`classify` per step; the commands' errors in one line."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from batchserve.runner.core.config import RunnerConfig, parse
 from batchserve.runner.policy.base import Policy, Request
 from batchserve.runner.policy.policies import build_policy
-from batchserve.runner.sim import simulate
+from batchserve.runner.sim import plan_cli, simulate
 from batchserve.runner.sim.pipeline import Station, simulate_pipeline
 from batchserve.runner.sim.scenario import Scenario, ScenarioError, parse_scenario
 
@@ -160,3 +161,45 @@ def test_simulate_names_an_unknown_pipeline_in_one_line(
     assert simulate.main(argv) == 2
     out, err = capsys.readouterr()
     assert (out, err) == ("", f"batchserve simulate: error: {message}\n")
+
+
+def test_plan_recommends_each_step_of_the_bundled_pipeline(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = plan_cli.main(["--pipeline", "classify", "--config", str(BUNDLED),
+                          "--fit", "tokenize=0.05,0.02", "--fit", "text=0.5,0.2",
+                          "--target", "500", "--processes", "1", "--max-batch-sizes", "8,64",
+                          "--seconds", "1", "--cores", "2", "--json"])
+    out, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    report = json.loads(out)
+    assert report["pipeline"] == "classify" and report["target_rps"] == 500
+    tokenize, text = report["steps"]
+    assert (tokenize["runner"], text["runner"]) == ("tokenize", "text")
+    assert tokenize["limit_ms"] + text["limit_ms"] == pytest.approx(100)
+    assert text["limit_ms"] > tokenize["limit_ms"]  # its batches take longer
+    for step in (tokenize, text):
+        assert [(s["processes"], s["max_batch_size"]) for s in step["settings"]] == [
+            (1, 8), (1, 64)]
+        assert step["recommended"] == {"processes": 1, "max_batch_size": 8}
+    assert report["chain"]["passed"]
+    assert [s["runner"] for s in report["chain"]["simulated"]["steps"]] == ["tokenize", "text"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--pipeline", "nope", "--fit", "tokenize=1,1"],
+     f"--pipeline has value 'nope'; it must be a pipeline of {BUNDLED} (classify)"),
+    (["--pipeline", "classify", "--fit", "tokenize=1,1"],
+     "--fit gives no line for runner 'text' of the pipeline; give "
+     "--fit text=INTERCEPT_MS,SLOPE_MS"),
+    (["--pipeline", "classify", "--fit", "1,1"],
+     "--fit has value '1,1'; for a pipeline it must be RUNNER=INTERCEPT_MS,SLOPE_MS, once "
+     "for each of its runners: tokenize, text"),
+    (["--pipeline", "classify", "--batch-log", str(CLASSIFY)],
+     f"--batch-log has value {str(CLASSIFY)!r}; for a pipeline it must be the folder"),
+])
+def test_plan_says_what_is_wrong_with_a_pipeline_in_one_line(
+        capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    assert plan_cli.main([*args, "--config", str(BUNDLED), "--rate", "100"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"batchserve plan: error: {message}")
+    assert err.count("\n") == 1
