@@ -38,10 +38,10 @@ from .trace import (
     Trace,
     arrivals,
     batch_answered,
-    batch_started,
     calibrate,
     percentile,
     refit,
+    start_batch,
 )
 
 __all__ = ["PipelineResult", "Station", "StepResult", "simulate_pipeline", "stations"]
@@ -241,9 +241,8 @@ class _Chain:
             if process.running is not None:
                 raise RuntimeError("the policy released a batch while one was running")
             process.running, process.started = step.batch, now
-            taken = process.timer.draw(process.costs.at(now), step.batch.rows, now)
+            taken = start_batch(process.trace, process.timer, process.costs, step.batch, now)
             process.cpu_s, process.done_at = taken.cpu_s, now + taken.wall_s
-            batch_started(process.trace, step.batch, now, process.done_at, taken.per_row_s)
         process.wake = math.inf if step.wake_at is None else max(step.wake_at, now + 1e-6)
 
 

@@ -38,10 +38,10 @@ from .trace import (
     Trace,
     arrivals,
     batch_answered,
-    batch_started,
     calibrate,
     percentile,
     refit,
+    start_batch,
 )
 
 DEFAULT_FIXED_WINDOW_MS = 5.0
@@ -152,9 +152,8 @@ def _run(
             if running is not None:
                 raise RuntimeError("the policy released a batch while one was running")
             running, started = step.batch, now
-            taken = timer.draw(costs.at(now), step.batch.rows, now)
+            taken = start_batch(trace, timer, costs, step.batch, now)
             cpu_s, done_at = taken.cpu_s, now + taken.wall_s
-            batch_started(trace, step.batch, now, done_at, taken.per_row_s)
         wake = inf if step.wake_at is None else max(step.wake_at, now + 1e-6)
     return trace
 

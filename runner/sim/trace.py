@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ..policy.base import Batch, Policy, Request
 from ..policy.latency_model import Timing
+from .batch_times import BatchTime, BatchTimer
 from .scenario import Cost, Phase, Scenario
 
 
@@ -83,10 +84,14 @@ def _cumulative(values: Iterable[float]) -> Iterable[float]:
         yield total
 
 
-def batch_started(trace: Trace, batch: Batch, now: float, done_at: float, per_row_s: float) -> None:
+def start_batch(trace: Trace, timer: BatchTimer, costs: CostClock, batch: Batch, now: float
+                ) -> BatchTime:
+    """A batch released at `now`: its times drawn on the cost in force, its start recorded."""
+    taken = timer.draw(costs.at(now), batch.rows, now)
     trace.batch_starts.append(now)
-    trace.batch_info.append((done_at, batch.rows, per_row_s))
+    trace.batch_info.append((now + taken.wall_s, batch.rows, taken.per_row_s))
     trace.reasons[batch.reason] += 1
+    return taken
 
 
 def batch_answered(trace: Trace, batch: Batch, finished: float) -> None:
