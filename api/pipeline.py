@@ -34,7 +34,7 @@ from ..runner.core.retry import retry_after_s
 from ..runner.core.signature import SignatureError
 from ..runner.core.timeouts import Timeouts
 from ..runner.core.types import Tensors
-from ..runner.policy import chain as deadline
+from ..runner.policy.chain import heaviest, refuses, step_budget_s
 from . import protocol
 from .backlog import Published
 from .chain import predict
@@ -94,9 +94,9 @@ class Route:
         the request's, or None before they are known)."""
         backlogs = self.backlogs(now)
         predicted = predict(backlogs, now)
-        if not deadline.refuses(predicted, budget_s):
+        if not refuses(predicted, budget_s):
             return
-        worst = deadline.heaviest(predicted)
+        worst = heaviest(predicted)
         backlog = backlogs[worst]
         if backlog is None:
             retry = retry_after_s(0.0)
@@ -150,7 +150,7 @@ class Chain:
             rows = self._rows(runner, inputs)
             now = time.monotonic()
             predicted = predict(route.backlogs(now), now)
-            budget_s = deadline.step_budget_s(self.deadline - now, predicted, self.index)
+            budget_s = step_budget_s(self.deadline - now, predicted, self.index)
             pool = route.pools[runner.name]
             link = pool.pick()
             if budget_s <= 0 or link.backlog.refuses(budget_s, now):

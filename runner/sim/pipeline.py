@@ -28,8 +28,8 @@ from typing import Any
 
 from ..core.config import Config
 from ..core.runner_config import RunnerConfig
-from ..policy import chain as deadline
 from ..policy.base import Batch, Policy, Request
+from ..policy.chain import heaviest, refuses, step_budget_s
 from ..policy.policies import build_policy
 from .batch_times import BatchTimer
 from .scenario import Cost, Scenario
@@ -178,8 +178,8 @@ class _Chain:
         self.entered.append(now)
         self.at_step.append(0)
         predicted = self.predicted(now)
-        if deadline.refuses(predicted, self.limit_s):
-            self.at_entrance[deadline.heaviest(predicted)] += 1
+        if refuses(predicted, self.limit_s):
+            self.at_entrance[heaviest(predicted)] += 1
             return
         process = self._offer(0, ident, rows, now, predicted)
         if process is not None:
@@ -190,7 +190,7 @@ class _Chain:
         """Send a request's call to a process of `step`; None when it is refused."""
         self.at_step[ident] = step
         left_s = self.entered[ident] + self.limit_s - now
-        budget_s = deadline.step_budget_s(left_s, predicted, step)
+        budget_s = step_budget_s(left_s, predicted, step)
         if budget_s <= 0.0:
             self.refused[step] += 1
             return None
