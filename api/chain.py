@@ -1,14 +1,11 @@
-"""A pipeline's one deadline, shared among its steps: arithmetic on predicted times.
+"""A pipeline's steps as an API worker predicts them: from the backlogs their processes
+published. What the chain does with the predicted times (refusing at the entrance, each step's
+share of the deadline) is `batchserve.runner.policy.chain`, which the simulator shares.
 
-Each step's predicted time is what an API worker knows of its runner without asking: the wait
-its processes published with their last answers, as it drains with the clock, and never less
-than the runner's time when idle (`batchserve.api.backlog.Published.expected_s`). A request
-whose budget is shorter than the sum over its steps is refused at the entrance: some step
-would make it late, and every step run before finding out would be work thrown away. Each
-step is given what is left of the request's deadline less the predicted time of the steps
-after it, so its runner admits it against the time the chain can still spare it.
-
-Pure code on a clock it is given: the tests drive it with made-up backlogs and times.
+Each step's predicted time is the wait its processes published with their last answers, as it
+drains with the clock, and never less than the runner's time when idle
+(`batchserve.api.backlog.Published.expected_s`). Pure code on a clock it is given: the tests
+drive it with made-up backlogs and times.
 """
 
 from __future__ import annotations
@@ -17,25 +14,10 @@ from collections.abc import Sequence
 
 from .backlog import Published
 
-__all__ = ["heaviest", "predict", "refuses", "step_budget_s"]
+__all__ = ["predict"]
 
 
 def predict(backlogs: Sequence[Published | None], now: float) -> tuple[float, ...]:
     """Each step's predicted time at `now` (0 for a runner with no process connected: the
     step is refused when it is sent, not judged here)."""
     return tuple(0.0 if backlog is None else backlog.expected_s(now) for backlog in backlogs)
-
-
-def refuses(predicted: Sequence[float], budget_s: float) -> bool:
-    """Whether the steps, one after another, would not fit the budget."""
-    return sum(predicted) > budget_s
-
-
-def heaviest(predicted: Sequence[float]) -> int:
-    """The step that weighs most: the one a refusal names (the first on a tie)."""
-    return max(range(len(predicted)), key=lambda i: (predicted[i], -i))
-
-
-def step_budget_s(left_s: float, predicted: Sequence[float], step: int) -> float:
-    """The budget of step `step`: what is left of the deadline less the later steps' time."""
-    return left_s - sum(predicted[step + 1:])

@@ -9,11 +9,13 @@ choice of process, its published backlog, its failures as the same errors. The c
 more crossing per step; the gain, runners that need no word of each other (see
 docs/architecture.md, "Pipelines").
 
-The pipeline has one deadline (`batchserve.api.chain`): a request whose steps would not fit
-it is refused at the entrance (503, reason `pipeline`), each step is sent with what is left
-less the later steps' predicted time, and a step refused or failed ends the request at once:
+The pipeline has one deadline (`batchserve.runner.policy.chain`, on the steps' times as
+`batchserve.api.chain` predicts them): a request whose steps would not fit it is refused at
+the entrance (503, reason `pipeline`), each step is sent with what is left less the later
+steps' predicted time, and a step refused or failed ends the request at once:
 no later step runs, and the answer is that step's error, its message naming the step.
-Refusals are counted by step in `batchserve_pipeline_refusals_total`.
+Refusals are counted by step (its position and runner) in
+`batchserve_pipeline_refusals_total`.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ from ..runner.core.retry import retry_after_s
 from ..runner.core.signature import SignatureError
 from ..runner.core.timeouts import Timeouts
 from ..runner.core.types import Tensors
-from ..runner.core.wire import FailureCode
-from . import chain, protocol
+from ..runner.policy.chain import heaviest, refuses, step_budget_s
+from . import protocol
 from .backlog import Published
-from .dispatch import Pool, RunnerFailure
+from .chain import predict
+from .dispatch import Pool
 from .errors import BacklogRefused, BadRequest, BatchserveError, PipelineRefused, Unavailable
-from .failures import failure_error
+from .failures import outputs_of
 from .overload import Gate
 
 __all__ = ["Chain", "Host", "Route", "pipeline_refusals"]
@@ -45,8 +48,14 @@ __all__ = ["Chain", "Host", "Route", "pipeline_refusals"]
 pipeline_refusals = Counter(
     "batchserve_pipeline_refusals_total",
     "Pipeline requests refused (503), by the step that refused or weighed most",
-    ["pipeline", "step"],
+    ["pipeline", "step", "runner"],
 )
+
+
+def count_refusal(pipeline: str, index: int, runner: str, by: float = 1.0) -> None:
+    """Count a refusal of step `index` (its position, from 0) of `pipeline`: a runner used
+    twice in one chain is two steps, counted apart. `by` 0 makes the series exist."""
+    pipeline_refusals.labels(pipeline, str(index), runner).inc(by)
 
 
 class Host(Protocol):
@@ -73,8 +82,8 @@ class Route:
     timeouts: Timeouts
 
     def __post_init__(self) -> None:
-        for step in self.pipeline.steps:  # every series exists from the start: reads as 0
-            pipeline_refusals.labels(self.pipeline.name, step.runner)
+        for index, step in enumerate(self.pipeline.steps):  # every series reads 0 from the start
+            count_refusal(self.pipeline.name, index, step.runner, 0.0)
 
     def backlogs(self, now: float) -> list[Published | None]:
         """Each step's most hopeful process's published backlog, as judged at `now`."""
@@ -84,10 +93,10 @@ class Route:
         """Refuse at the entrance a request whose steps would not fit `budget_s` (`rows`:
         the request's, or None before they are known)."""
         backlogs = self.backlogs(now)
-        predicted = chain.predict(backlogs, now)
-        if not chain.refuses(predicted, budget_s):
+        predicted = predict(backlogs, now)
+        if not refuses(predicted, budget_s):
             return
-        worst = chain.heaviest(predicted)
+        worst = heaviest(predicted)
         backlog = backlogs[worst]
         if backlog is None:
             retry = retry_after_s(0.0)
@@ -95,7 +104,7 @@ class Route:
             retry = retry_after_s(backlog.refuse(
                 backlog.word.request_rows if rows is None else rows))
         runner = self.pipeline.steps[worst].runner
-        pipeline_refusals.labels(self.pipeline.name, runner).inc()
+        count_refusal(self.pipeline.name, worst, runner)
         raise PipelineRefused(self.pipeline.name, worst, runner, retry, {
             "predicted_ms": round(sum(predicted) * 1000, 1),
             "deadline_ms": round(budget_s * 1000, 1), "step": worst})
@@ -107,22 +116,27 @@ class Route:
 class Chain:
     """One request's way through the steps: the tensors known so far, the step now out."""
 
-    __slots__ = ("route", "host", "tensors", "deadline", "index", "rows")
+    __slots__ = ("route", "host", "tensors", "deadline", "index", "rows", "group")
 
     def __init__(self, route: Route, host: Host) -> None:
         self.route, self.host = route, host
         self.tensors: dict[str, np.ndarray] = {}
         self.deadline = 0.0
         self.index = self.rows = 0
+        self.group: tuple[str, ...] = ()
 
     @property
     def step(self) -> Step:
         return self.route.pipeline.steps[self.index]
 
-    def start(self, inputs: Tensors, rows: int, deadline: float) -> None:
-        """Judge the decoded request again, on its own budget, then send the first step."""
+    def start(self, inputs: Tensors, rows: int, deadline: float, group: tuple[str, ...] = ()
+              ) -> None:
+        """Judge the decoded request again, on its own budget, then send the first step.
+        `group` holds the request's values of the pipeline's `group_by` parameters: each step
+        is sent with its runner's, as a request for that runner alone would be."""
         self.tensors = dict(inputs)
         self.deadline = deadline
+        self.group = group
         now = time.monotonic()
         self.route.judge(deadline - now, now, rows)
         self._send()
@@ -135,14 +149,15 @@ class Chain:
             inputs = {name: self.tensors[source] for name, source in step.inputs}
             rows = self._rows(runner, inputs)
             now = time.monotonic()
-            predicted = chain.predict(route.backlogs(now), now)
-            budget_s = chain.step_budget_s(self.deadline - now, predicted, self.index)
+            predicted = predict(route.backlogs(now), now)
+            budget_s = step_budget_s(self.deadline - now, predicted, self.index)
             pool = route.pools[runner.name]
             link = pool.pick()
             if budget_s <= 0 or link.backlog.refuses(budget_s, now):
                 raise self._refused(link.backlog, budget_s, rows, now)
             wait_s = runner.batch_timeout_s + route.timeouts.call_slack_s
-            pool.submit(inputs, rows, budget_s, (), wait_s, self._answered, 0.0, link)
+            group = route.pipeline.group_of(runner, self.group)
+            pool.submit(inputs, rows, budget_s, group, wait_s, self._answered, 0.0, link)
             route.waiting[runner.name] += 1
             self.rows = rows
         except Exception as exc:
@@ -171,20 +186,15 @@ class Chain:
     def _answered(self, outcome: Tensors | Exception) -> None:
         """A step's answer: on to the next step, or the request's answer; else its error."""
         route, step = self.route, self.step
-        route.waiting[step.runner] -= 1
-        if self.host.done:  # answered already (the server stopped meanwhile)
-            return
         try:
-            if isinstance(outcome, RunnerFailure):
-                if outcome.failure.code == FailureCode.REFUSED:
-                    route.gates[step.runner].refused(time.monotonic())
-                raise failure_error(step.runner, outcome)
-            if isinstance(outcome, Exception):
-                raise outcome
+            outputs = outputs_of(step.runner, outcome, route.waiting, route.gates[step.runner])
+            if self.host.done:  # answered already (the server stopped meanwhile)
+                return
             for name, target in step.outputs:
-                self.tensors[target] = outcome[name]
+                self.tensors[target] = outputs[name]
         except Exception as exc:
-            self._fail(exc)
+            if not self.host.done:
+                self._fail(exc)
             return
         self.index += 1
         if self.index < len(route.pipeline.steps):
@@ -201,5 +211,5 @@ class Chain:
                            f"{exc.message}")
             exc.args = (exc.message,)
             if exc.status == 503:
-                pipeline_refusals.labels(name, step.runner).inc()
+                count_refusal(name, self.index, step.runner)
         self.host.fail(exc)

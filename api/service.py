@@ -47,11 +47,11 @@ from ..runner.core.retry import retry_after_s
 from ..runner.core.security import Credentials
 from ..runner.core.timeouts import Timeouts
 from ..runner.core.types import Tensors
-from ..runner.core.wire import Address, FailureCode
+from ..runner.core.wire import Address
 from ..runner.metrics import SECONDS_BUCKETS, Count, Tally
 from . import admission, protocol
 from .backlog import Published
-from .dispatch import NO_KEYS, Pool, RunnerFailure
+from .dispatch import NO_KEYS, Pool
 from .errors import (
     BacklogRefused,
     BatchserveError,
@@ -61,7 +61,7 @@ from .errors import (
     Unavailable,
     error_response,
 )
-from .failures import failure_error
+from .failures import outputs_of
 from .overload import Gate, Shedder, backlog_s
 from .pipeline import Chain, Route
 from .reserve import Reserve
@@ -453,7 +453,7 @@ class Exchange:
                 f"the request's deadline passed before it reached {runner.name!r}",
                 reason="late")
         if self.chain is not None:
-            self.chain.start(call.inputs, call.rows, self.sent + self.budget_s)
+            self.chain.start(call.inputs, call.rows, self.sent + self.budget_s, call.group)
             return
         pool = service.pools[runner.name]
         link = pool.pick()
@@ -513,18 +513,13 @@ class Exchange:
         """The runner's answer (or why there is none): encode it and answer the client."""
         service, runner, call = self.service, self.runner, self.call
         assert runner is not None and call is not None
-        service.waiting[runner.name] -= 1
         try:
-            if isinstance(outcome, RunnerFailure):
-                if outcome.failure.code == FailureCode.REFUSED:
-                    service.gates[runner.name].refused(time.monotonic())
-                raise failure_error(runner.name, outcome)
-            if isinstance(outcome, Exception):
-                raise outcome
+            outputs = outputs_of(runner.name, outcome, service.waiting,
+                                 service.gates[runner.name])
         except Exception as exc:
             self.fail(exc)
             return
-        self.deliver(outcome, call.rows)
+        self.deliver(outputs, call.rows)
 
     def deliver(self, outputs: Tensors, rows: int) -> None:
         """Encode the outputs, `rows` of them along the output batch dimension (a pipeline's

@@ -54,8 +54,7 @@ from .core.wire import (
 )
 from .dispatcher import Dispatcher, Rejection
 from .metrics import RunnerMetrics
-from .policy.base import Policy
-from .policy.policies import make_policy
+from .policy.policies import build_policy
 from .status import StatusServer, status_server
 
 log = logging.getLogger("runner")
@@ -248,22 +247,6 @@ def _local(peer: object) -> bool:
         return ipaddress.ip_address(peer[0]).is_loopback
     except ValueError:
         return False
-
-
-def build_policy(runner: RunnerConfig) -> Policy:
-    """The adaptive policy when batching is on; one request at a time when it is off."""
-    batching = runner.batching
-    latency_s = batching.max_latency_ms / 1000
-    if not batching.enabled:
-        return make_policy("none", runner.max_cost, latency_s)
-    if runner.layout == "rows":
-        return make_policy("adaptive", batching.max_batch_size, latency_s,
-                           refuse=batching.refuse)
-    # Sized in elements, capped in elements and, by max_batch_size, in requests.
-    return make_policy(
-        "adaptive", runner.max_cost, latency_s, max_requests=batching.max_batch_size,
-        refuse=batching.refuse,
-    )
 
 
 async def serve(config: Config, runner: RunnerConfig, address: Address,

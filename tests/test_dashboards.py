@@ -44,7 +44,27 @@ def _exported() -> dict[str, tuple[str, str]]:
     return series
 
 
+def _label_names() -> dict[str, set[str]]:
+    """Each exported series' labels, read from the registered metrics (a labelled metric
+    without a sample yet is in the registry, not in `collect()`): a histogram's buckets add
+    `le`, a gauge kept per process `pid`."""
+    labels: dict[str, set[str]] = {}
+    for metric in REGISTRY._collector_to_names:
+        name = getattr(metric, "_name", "")
+        if not name.startswith(PREFIX):
+            continue
+        own = set(metric._labelnames)
+        if getattr(metric, "_multiprocess_mode", None) in {"liveall", "all"}:
+            own.add("pid")
+        for suffix in SUFFIXES[metric._type]:
+            labels[f"{name}{suffix}"] = own | ({"le"} if suffix == "_bucket" else set())
+    return labels
+
+
 SERIES = _exported()
+LABELS = _label_names()
+GROUPED = re.compile(r"\bby \(([^)]*)\)")
+LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 FAMILIES = {family for family, _ in SERIES.values()}
 GAUGES = {name for name, (_, kind) in SERIES.items() if kind == "gauge"}
 METRIC = re.compile(r"\bbatchserve_[a-z0-9_]+")
@@ -100,6 +120,26 @@ def test_every_exported_metric_is_shown(dashboard: dict[str, Any]) -> None:
     used = {name for expr in _exprs(dashboard) for name in METRIC.findall(expr)}
     shown = {SERIES[name][0] for name in used if name in SERIES}
     assert FAMILIES - shown == set(), f"exported but on no panel: {sorted(FAMILIES - shown)}"
+
+
+def test_every_label_a_panel_groups_by_is_one_its_metrics_carry(
+        dashboard: dict[str, Any]) -> None:
+    """A `by (...)` or a legend's `{{label}}` naming a label no metric of the expression has
+    reads as one series where the metric has many (a pipeline's steps, say)."""
+    for panel in _panels(dashboard):
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            carried = set().union(*(LABELS[name] for name in METRIC.findall(expr)))
+            grouped = {label.strip() for labels in GROUPED.findall(expr)
+                       for label in labels.split(",") if label.strip()}
+            shown = set(LEGEND.findall(target.get("legendFormat", "")))
+            assert grouped | shown <= carried, \
+                f"{panel['title']!r}: {sorted((grouped | shown) - carried)} not on {expr!r}"
+
+
+def test_a_pipeline_step_is_labelled_by_its_position_and_runner() -> None:
+    """A runner used twice in one chain is two steps: both are counted, and apart."""
+    assert LABELS["batchserve_pipeline_refusals_total"] == {"pipeline", "step", "runner"}
 
 
 def test_the_exported_series_are_read_from_the_code() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from batchserve.api import chain
 from batchserve.api.backlog import Published
@@ -21,14 +22,16 @@ from batchserve.runner.core.config import parse
 from batchserve.runner.core.timeouts import Timeouts
 from batchserve.runner.core.types import Tensors
 from batchserve.runner.core.wire import Backlog, Failure, FailureCode
+from batchserve.runner.policy import chain as deadline
 
+CONFIG_RUNNERS = {
+    "first": {"model": "m:f", "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}],
+              "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}]},
+    "second": {"model": "m:s", "inputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}],
+               "outputs": [{"name": "z", "datatype": "FP32", "shape": [-1, 2]}]},
+}
 CONFIG = parse({
-    "runners": {
-        "first": {"model": "m:f", "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}],
-                  "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}]},
-        "second": {"model": "m:s", "inputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}],
-                   "outputs": [{"name": "z", "datatype": "FP32", "shape": [-1, 2]}]},
-    },
+    "runners": CONFIG_RUNNERS,
     "pipelines": {"chain": {"max_latency_ms": 100,
                             "steps": [{"runner": "first"}, {"runner": "second"}]}},
 })
@@ -53,16 +56,16 @@ def test_a_step_counts_what_is_left_of_its_backlog_and_never_less_than_idle() ->
 def test_the_entrance_refuses_when_a_later_step_is_saturated() -> None:
     predicted = chain.predict([heard(0.004, 0.0), heard(0.300, 0.0, 0.010)], now=0.050)
     assert predicted == pytest.approx((0.004, 0.250))
-    assert chain.refuses(predicted, budget_s=0.100)
-    assert chain.heaviest(predicted) == 1
-    assert not chain.refuses(chain.predict([heard(0.004, 0.0), heard(0.030, 0.0)], 0.0), 0.100)
+    assert deadline.refuses(predicted, budget_s=0.100)
+    assert deadline.heaviest(predicted) == 1
+    assert not deadline.refuses(chain.predict([heard(0.004, 0.0), heard(0.030, 0.0)], 0.0), 0.100)
 
 
 def test_each_step_gets_what_is_left_less_the_steps_after_it() -> None:
     predicted = (0.010, 0.020, 0.030)
-    assert chain.step_budget_s(0.100, predicted, 0) == pytest.approx(0.050)
-    assert chain.step_budget_s(0.070, predicted, 1) == pytest.approx(0.040)
-    assert chain.step_budget_s(0.040, predicted, 2) == pytest.approx(0.040)
+    assert deadline.step_budget_s(0.100, predicted, 0) == pytest.approx(0.050)
+    assert deadline.step_budget_s(0.070, predicted, 1) == pytest.approx(0.040)
+    assert deadline.step_budget_s(0.040, predicted, 2) == pytest.approx(0.040)
 
 
 # --- the chain over stand-in pools, answered by the test --------------------------------------
@@ -171,3 +174,31 @@ def test_a_step_whose_share_of_the_deadline_is_spent_is_not_sent(
         "pipeline 'chain', step 1 (runner 'second'): what is left of the request's deadline "
         "would not cover this step")
     assert pools["second"].sent == []
+
+
+def test_a_runner_used_twice_is_counted_as_two_steps() -> None:
+    """`first` twice: a refusal of its second use counts under step 1, not step 0."""
+    config = parse({
+        "runners": CONFIG_RUNNERS,
+        "pipelines": {"again": {"max_latency_ms": 100, "steps": [
+            {"runner": "first"},
+            {"runner": "first", "input_map": {"x": "y"}, "output_map": {"y": "twice"}}]}},
+    })
+    pools = {"first": StubPool()}
+    host = Host()
+    again = Route(config.pipelines["again"], config.runners, pools,  # type: ignore[arg-type]
+                  {"first": Gate()}, {"first": 0}, Timeouts())
+    before = {step: refusals("again", step) for step in ("0", "1")}
+    again.chain(host).start({"x": np.ones((1, 2), np.float32)}, 1, deadline=math.inf)
+    pools["first"].sent[0][3]({"y": np.ones((1, 2), np.float32)})
+    pools["first"].sent[1][3](RunnerFailure(Failure(2, FailureCode.REFUSED, "refused", 1.0)))
+    assert isinstance(host.answer, SloRefused)
+    assert refusals("again", "1") - before["1"] == 1
+    assert refusals("again", "0") - before["0"] == 0
+
+
+def refusals(pipeline: str, step: str) -> float:
+    value = REGISTRY.get_sample_value("batchserve_pipeline_refusals_total",
+                                      {"pipeline": pipeline, "step": step, "runner": "first"})
+    assert value is not None, f"no series for step {step}"
+    return value

@@ -106,11 +106,6 @@ BAD = {
         "pipelines.chain.steps[1].input_map.ids has value 'x'; the request's 'x' is read by "
         "steps[0] as FP32 [-1, 4], but runner 'ints' takes input 'ids' as INT64 [-1, 4]",
     ),
-    "a step batching by parameters": (
-        CHAIN.replace("{runner: first}", "{runner: grouped}"),
-        "pipelines.chain.steps[0].runner has value 'grouped', a runner that batches by request "
-        "parameters (group_by: factor); a pipeline step takes tensors only",
-    ),
     "no limit": (
         CHAIN.replace("    max_latency_ms: 100\n", ""),
         "pipelines.chain.max_latency_ms is missing",
@@ -189,3 +184,14 @@ def test_an_output_list_chooses_what_the_answer_holds(tmp_path: Path) -> None:
     path.write_text(CHAIN + "    outputs: [y, scores]\n")
     facade = load(path).pipelines["chain"].facade
     assert [spec.name for spec in facade.outputs] == ["y", "scores"]
+
+
+def test_a_step_batching_by_parameters_makes_the_request_bring_them(tmp_path: Path) -> None:
+    path = tmp_path / "configuration.yml"
+    path.write_text(CHAIN.replace("{runner: first}", "{runner: grouped}"))
+    loaded = load(path)
+    pipeline = loaded.pipelines["chain"]
+    assert pipeline.facade.group_by == ("factor",)
+    grouped, second = loaded.runners["grouped"], loaded.runners["second"]
+    assert pipeline.group_of(grouped, ("2.0",)) == ("2.0",)
+    assert pipeline.group_of(second, ("2.0",)) == ()

@@ -1,6 +1,7 @@
 """Pipelines through real processes: a Triton client calls the chain and gets what calling
 its steps in turn gives; a saturated later step refuses at the entrance; a failing step ends
-the request before the next one runs."""
+the request before the next one runs; a step batching by request parameters gets the
+request's."""
 
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ runners:
     batching: {max_batch_size: 16, max_latency_ms: 1000}
     inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]
     outputs: [{name: x, datatype: FP32, shape: [-1, 4]}]
+  scale:
+    model: fixture_models:scaled
+    batching: {max_batch_size: 16, max_latency_ms: 1000}
+    group_by: [factor, shift]
+    inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]
+    outputs:
+      - {name: y, datatype: FP32, shape: [-1, 4]}
+      - {name: rows, datatype: INT64, shape: [-1, 1]}
 pipelines:
   classify:
     max_latency_ms: 1000
@@ -55,6 +64,12 @@ pipelines:
     steps:
       - {runner: nap, output_map: {x: n}}
       - {runner: double, input_map: {x: n}}
+  scaling:
+    max_latency_ms: 1000
+    steps:
+      - {runner: double}
+      - {runner: scale, input_map: {x: y}, output_map: {y: scaled, rows: shared}}
+    outputs: [scaled]
   fragile:
     max_latency_ms: 1000
     steps:
@@ -146,7 +161,7 @@ def test_a_saturated_later_step_refuses_at_the_entrance(chain: Server) -> None:
     # Refused before any step ran: the first step took no batch for it.
     assert metric(chain, "batchserve_batches_total", runner="double") == before
     assert metric(chain, "batchserve_pipeline_refusals_total", pipeline="sleepy",
-                  step="nap") == 1
+                  step="1", runner="nap") == 1
 
 
 def test_a_failing_step_ends_the_request_before_the_next_runs(chain: Server) -> None:
@@ -215,3 +230,21 @@ def test_the_bundled_classify_is_tokenize_then_text(serve: Callable[..., Server]
     alone = client.infer("text", [ids]).as_numpy("scores")
     assert whole is not None and whole.shape == (1, 4)
     assert whole.tobytes() == alone.tobytes()
+
+
+def test_a_step_batching_by_parameters_gets_the_requests(chain: Server) -> None:
+    def call(parameters: dict[str, Any]) -> httpx.Response:
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
+                            "data": [1, 2, 3, 4]}], "parameters": parameters}
+        with httpx.Client(base_url=chain.url, timeout=30) as http:
+            return http.post("/v2/models/scaling/infer", json=body)
+
+    for factor, shift in ((3.0, 1), (0.5, 0)):
+        answer = call({"factor": factor, "shift": shift})
+        assert answer.status_code == 200, answer.text
+        (output,) = answer.json()["outputs"]
+        assert output["name"] == "scaled"
+        assert output["data"] == [2 * x * factor + shift for x in (1, 2, 3, 4)]
+    missing = call({"factor": 3.0})
+    assert missing.status_code == 400, missing.text
+    assert "parameters lack 'shift'" in missing.json()["error"]

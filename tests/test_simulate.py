@@ -23,15 +23,8 @@ from batchserve.runner.sim.scenario import (
     load_scenario,
     parse_scenario,
 )
-from batchserve.runner.sim.simulate import (
-    _answered,
-    _Trace,
-    arrivals,
-    false_rejections,
-    grid_search,
-    main,
-    simulate,
-)
+from batchserve.runner.sim.simulate import false_rejections, grid_search, main, simulate
+from batchserve.runner.sim.trace import Trace, arrivals, batch_answered
 from benchmarks.dispatcher_table import one_request_ms
 
 SCENARIOS = Path(__file__).parent.parent / "benchmarks" / "scenarios"
@@ -93,14 +86,14 @@ def test_scenario_errors_name_the_dotted_key(change: dict[str, object], message:
         parse_scenario(dict(SMALL, **change), "small")
 
 
-def _batch(trace: _Trace, start: float, finish: float, rows: int, slack: float) -> None:
+def _batch(trace: Trace, start: float, finish: float, rows: int, slack: float) -> None:
     trace.batch_starts.append(start)
     trace.batch_info.append((finish, rows, 0.0005))
     trace.batch_slack.append(slack)
 
 
 def test_false_rejection_means_a_batch_with_room_finished_in_time() -> None:
-    trace = _Trace()
+    trace = Trace()
     refused = Request(1, 1, 0.0, 0.1)
     trace.refusals.append((refused, 0.0))
     _batch(trace, 0.01, 0.05, 64, 0.05)  # full: no room
@@ -109,14 +102,14 @@ def test_false_rejection_means_a_batch_with_room_finished_in_time() -> None:
     assert false_rejections(trace, 64) == 0
     _batch(trace, 0.1, 0.11, 10, 0.05)  # room, but it starts at the deadline
     assert false_rejections(trace, 64) == 0
-    early = _Trace()
+    early = Trace()
     early.refusals.append((refused, 0.0))
     _batch(early, 0.06, 0.09, 10, 0.05)
     assert false_rejections(early, 64) == 1
 
 
 def test_a_refusal_is_not_false_if_serving_it_makes_another_answer_late() -> None:
-    trace = _Trace()
+    trace = Trace()
     trace.refusals.append((Request(1, 2, 0.0, 0.1), 0.0))
     _batch(trace, 0.01, 0.05, 10, 0.0004)  # its own answers have 0.4 ms to spare: 1 ms is late
     assert false_rejections(trace, 64) == 0
@@ -130,7 +123,7 @@ def test_a_refusal_is_not_false_if_serving_it_makes_another_answer_late() -> Non
 def test_refusals_count_false_together_not_each_alone() -> None:
     # Back-to-back batches with 0.8 ms to spare each: one more row (0.5 ms) fits, and with
     # it in, the 0.3 ms left takes no second. Judged alone, both would count.
-    trace = _Trace()
+    trace = Trace()
     for index in (1, 2):
         trace.refusals.append((Request(index, 1, 0.0, 0.1), 0.0))
     _batch(trace, 0.01, 0.05, 10, 0.0008)
@@ -141,11 +134,11 @@ def test_refusals_count_false_together_not_each_alone() -> None:
 
 
 def test_slack_counts_only_answers_that_were_on_time() -> None:
-    trace = _Trace()
+    trace = Trace()
     late, on_time = Request(1, 1, 0.0, 0.04), Request(2, 1, 0.0, 0.06)
     trace.batch_starts.append(0.0)
     trace.batch_info.append((0.05, 2, 0.0005))
-    _answered(trace, Batch((late, on_time), "idle"), 0.05)
+    batch_answered(trace, Batch((late, on_time), "idle"), 0.05)
     assert trace.late == 1
     assert trace.batch_slack == [pytest.approx(0.01)]
 

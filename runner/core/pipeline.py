@@ -13,7 +13,8 @@ earlier step makes (so there are no cycles), in the datatype and shape it was ma
 tensor is made twice. The pipeline also gets a `RunnerConfig` of its own (`facade`), holding
 the request's inputs and the answer's outputs under the pipeline's name and limit: what the
 API decodes a request against, encodes an answer with and describes in metadata, exactly as
-for a runner. Nothing here knows of the API; runners never learn they are steps.
+for a runner; its `group_by` is every step's, so a request brings the parameters each
+step's runner batches by. Nothing here knows of the API; runners never learn they are steps.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ class PipelineConfig:
     @property
     def runners(self) -> tuple[str, ...]:
         return tuple(step.runner for step in self.steps)
+
+    def group_of(self, runner: RunnerConfig, values: tuple[str, ...]) -> tuple[str, ...]:
+        """A step's `group_by` values, out of the request's `values` for the whole chain
+        (in the order of `facade.group_by`, as the request's parameters were decoded)."""
+        names = self.facade.group_by
+        return tuple(values[names.index(name)] for name in runner.group_by)
 
 
 PIPELINE_KEYS = {"max_latency_ms", "steps", "outputs"}
@@ -131,24 +138,26 @@ def _step(key: str, value: Any, runners: Mapping[str, RunnerConfig],
     if name not in runners:
         raise _fail(f"{key}.runner", name, "the name of a runner: " + ", ".join(runners))
     runner = runners[name]
-    if runner.group_by:
-        raise ConfigError(
-            f"{key}.runner has value {name!r}, a runner that batches by request parameters "
-            f"(group_by: {', '.join(runner.group_by)}); a pipeline step takes tensors only"
-        )
     inputs = _input_map(f"{key}.input_map", raw.get("input_map", {}), runner, known, where)
     outputs = _output_map(f"{key}.output_map", raw.get("output_map", {}), runner, known, where)
     return Step(name, inputs, outputs)
 
 
+def _tensor_map(key: str, value: Any, runner: RunnerConfig, kind: str,
+                specs: tuple[TensorSpec, ...]) -> Mapping[str, Any]:
+    """A step's `input_map` or `output_map`, each key one of the runner's `kind`s (`specs`)."""
+    given = _mapping(key, value)
+    names = [spec.name for spec in specs]
+    for name in given:
+        if name not in names:
+            raise ConfigError(f"{key}.{name} is not an {kind} of runner {runner.name!r}; its "
+                              f"{kind}s are: {', '.join(names)}")
+    return given
+
+
 def _input_map(key: str, value: Any, runner: RunnerConfig, known: _Tensors, where: str
                ) -> tuple[tuple[str, str], ...]:
-    given = _mapping(key, value)
-    specs = {spec.name: spec for spec in runner.inputs}
-    for name in given:
-        if name not in specs:
-            raise ConfigError(f"{key}.{name} is not an input of runner {runner.name!r}; its "
-                              f"inputs are: {', '.join(specs)}")
+    given = _tensor_map(key, value, runner, "input", runner.inputs)
     pairs = []
     for spec in runner.inputs:
         if spec.name in given:
@@ -163,12 +172,7 @@ def _input_map(key: str, value: Any, runner: RunnerConfig, known: _Tensors, wher
 
 def _output_map(key: str, value: Any, runner: RunnerConfig, known: _Tensors, where: str
                 ) -> tuple[tuple[str, str], ...]:
-    given = _mapping(key, value)
-    specs = {spec.name: spec for spec in runner.outputs}
-    for name in given:
-        if name not in specs:
-            raise ConfigError(f"{key}.{name} is not an output of runner {runner.name!r}; its "
-                              f"outputs are: {', '.join(specs)}")
+    given = _tensor_map(key, value, runner, "output", runner.outputs)
     pairs = []
     for spec in runner.outputs:
         target = _name(f"{key}.{spec.name}", given.get(spec.name, spec.name))
@@ -227,6 +231,9 @@ def _facade(key: str, name: str, limit_ms: float, steps: tuple[Step, ...],
                 f"{requested[0][0]!r}, read by {first_where} (its layout or batch dimension "
                 "differs); a request's inputs must batch alike")
     last = runners[steps[-1].runner]
+    chained = [runners[step.runner] for step in steps]
+    group_by = tuple(dict.fromkeys(name for runner in chained for name in runner.group_by))
+    timed = {name: value for runner in reversed(chained) for name, value in runner.group_timing}
     return RunnerConfig(
         name=name,
         model=f"pipeline:{name}",
@@ -235,6 +242,8 @@ def _facade(key: str, name: str, limit_ms: float, steps: tuple[Step, ...],
         batching=Batching(max_batch_size=first.batching.max_batch_size, max_latency_ms=limit_ms,
                           max_batch_elements=first.batching.max_batch_elements),
         batch_dim=(first.batch_dim[0], last.batch_dim[1]),
+        group_by=group_by,
+        group_timing=tuple((name, timed[name]) for name in group_by if name in timed),
     )
 
 

@@ -262,10 +262,11 @@ def evaluate(inputs: Inputs, setting: Setting, rate: float, batch_guess: float =
 
 def _demand(inputs: Inputs, traffic: Traffic, rows: float) -> float:
     """The busiest phase's demand in cores, with batches of `rows` on average."""
-    return max(_phase_demand(inputs, rate * traffic.rows, rows) for _, rate in traffic.phases)
+    return max(phase_demand(inputs, rate * traffic.rows, rows) for _, rate in traffic.phases)
 
 
-def _phase_demand(inputs: Inputs, rows_per_s: float, batch_rows: float) -> float:
+def phase_demand(inputs: Inputs, rows_per_s: float, batch_rows: float) -> float:
+    """Cores wanted at `rows_per_s` rows a second in batches of `batch_rows` on average."""
     intercept, slope = inputs.cpu_line()
     batches = rows_per_s / batch_rows
     requests = rows_per_s / max(inputs.traffic.rows, 1)
@@ -277,7 +278,7 @@ def _run(inputs: Inputs, traffic: Traffic, setting: Setting, batch_rows: float) 
     k = setting.processes
     phases = []
     for seconds, rate in traffic.phases:
-        stretch = inputs.machine.stretch(_phase_demand(inputs, rate * traffic.rows, batch_rows))
+        stretch = inputs.machine.stretch(phase_demand(inputs, rate * traffic.rows, batch_rows))
         share = rate / k
         per_krps = (stretch - 1.0) / (share / 1000.0) if share > 0.0 else 0.0
         cost = replace(inputs.cost, contention=Contention(per_krps) if per_krps > 0 else None)

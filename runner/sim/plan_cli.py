@@ -1,11 +1,14 @@
 """`batchserve plan`: read a model's cost, the traffic and the machine; print the plan.
 
     batchserve plan (--batch-log PATH | --fit INTERCEPT_MS,SLOPE_MS | --metrics URL)
-        [--config FILE] [--runner NAME] [--rate R | --phases S:R,... | --arrivals FILE]
-        [--target R] [--processes 1,2,4] [--max-batch-sizes 16,64] [--json] [--png FILE]
+        [--config FILE] [--runner NAME | --pipeline NAME] [--rate R | --phases S:R,... |
+        --arrivals FILE] [--target R] [--processes 1,2,4] [--max-batch-sizes 16,64] [--json]
+        [--png FILE]
 
-The planning itself is `batchserve.runner.sim.plan`; this module only reads files, a runner's
-`/metrics` when asked, and writes the table, the JSON and the PNG (`plan_plot`).
+For a pipeline each step's runner has its own cost: its batch logs in the folder, its line in
+`/metrics`, or `--fit RUNNER=INTERCEPT_MS,SLOPE_MS` once per runner. The planning itself is
+`batchserve.runner.sim.plan` (`plan_pipeline` for a pipeline); this module only reads files, a
+runner's `/metrics` when asked, and writes the table, the JSON and the PNG (`plan_plot`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from ..core.cores import usable_cores
 from ..core.pyplot import PlotUnavailable
 from . import plan_plot
 from .plan import Inputs, Machine, Setting, SettingPlan, Traffic, cpu_only, plan, recommend
+from .plan_pipeline import describe as describe_pipeline
+from .plan_pipeline import plan_pipeline
 from .recording import RecordingError, load_recording, merge
 from .scenario import Cost
 
@@ -165,8 +170,9 @@ def _parser() -> argparse.ArgumentParser:
         required=True)
     cost.add_argument("--batch-log", type=Path, metavar="PATH",
                       help="a runner's batch log (BATCHSERVE_BATCH_LOG), or its folder")
-    cost.add_argument("--fit", metavar="INTERCEPT_MS,SLOPE_MS",
-                      help="CPU time of a batch: intercept + slope * rows")
+    cost.add_argument("--fit", metavar="[RUNNER=]INTERCEPT_MS,SLOPE_MS", action="append",
+                      help="CPU time of a batch: intercept + slope * rows (for --pipeline, "
+                           "RUNNER=... once per runner)")
     cost.add_argument("--metrics", metavar="URL",
                       help="a server whose /metrics holds the runner's live latency model")
     parser.add_argument("--noise", type=float, default=NOISE,
@@ -174,8 +180,12 @@ def _parser() -> argparse.ArgumentParser:
                              "(default: %(default)s)")
     parser.add_argument("--config", type=Path, default=Path("configuration.yml"),
                         help="the configuration that holds the runner (default: %(default)s)")
-    parser.add_argument("--runner", help="runner name (default: the configuration's only one)")
-    parser.add_argument("--limit-ms", type=float, help="default: the runner's max_latency_ms")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--runner", help="runner name (default: the configuration's only one)")
+    which.add_argument("--pipeline", help="plan each step of this pipeline of the "
+                       "configuration, for a target rate of the pipeline")
+    parser.add_argument("--limit-ms", type=float,
+                        help="default: the runner's (or the pipeline's) max_latency_ms")
     traffic = parser.add_argument_group("traffic (one of)").add_mutually_exclusive_group()
     traffic.add_argument("--rate", type=float, help="Poisson arrivals (default: --target)")
     traffic.add_argument("--phases", metavar="S:R,...|FILE.yml",
@@ -243,22 +253,47 @@ def _cost(args: argparse.Namespace, runner: str) -> Cost:
     if args.batch_log is not None:
         return batch_log(args.batch_log, runner)
     if args.fit is not None:
-        intercept, slope = _numbers(args.fit, "--fit", 2)
+        if len(args.fit) != 1 or "=" in args.fit[0]:
+            raise PlanError(f"--fit has value {' '.join(args.fit)!r}; for one runner it must "
+                            "be given once, as INTERCEPT_MS,SLOPE_MS")
+        intercept, slope = _numbers(args.fit[0], "--fit", 2)
     else:
         intercept, slope = metrics_fit(args.metrics, runner)
     return Cost(intercept, slope, noise=args.noise)
+
+
+def _fits(given: list[str], runners: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    """`--fit RUNNER=INTERCEPT_MS,SLOPE_MS`, once for each of a pipeline's runners."""
+    fits = {}
+    for text in given:
+        name, _, line = text.partition("=")
+        if not line or name not in runners or name in fits:
+            raise PlanError(f"--fit has value {text!r}; for a pipeline it must be "
+                            "RUNNER=INTERCEPT_MS,SLOPE_MS, once for each of its runners: "
+                            + ", ".join(runners))
+        intercept, slope = _numbers(line, f"--fit {name}", 2)
+        fits[name] = (intercept, slope)
+    missing = [name for name in runners if name not in fits]
+    if missing:
+        raise PlanError(f"--fit gives no line for runner {missing[0]!r} of the pipeline; give "
+                        f"--fit {missing[0]}=INTERCEPT_MS,SLOPE_MS")
+    return fits
+
+
+def _machine(args: argparse.Namespace, limit: float) -> Machine:
+    if args.cores < 1 or min(args.front_ms, args.batch_overhead_ms, args.client_ms,
+                             args.busy_cores, args.noise) < 0 or limit <= 0 or args.rows < 1:
+        raise PlanError("--cores and --rows must be at least 1, --limit-ms above 0, and the "
+                        "machine's costs, --busy-cores and --noise at least 0")
+    return Machine(args.cores, args.front_ms / 1000.0, args.batch_overhead_ms / 1000.0,
+                   args.client_ms / 1000.0, args.busy_cores)
 
 
 def inputs(args: argparse.Namespace) -> tuple[Inputs, list[Setting], float, RunnerConfig]:
     """Everything the plan needs, from the command line."""
     runner = _runner(load(args.config), args.runner)
     limit = runner.batching.max_latency_ms if args.limit_ms is None else args.limit_ms
-    machine = Machine(args.cores, args.front_ms / 1000.0, args.batch_overhead_ms / 1000.0,
-                      args.client_ms / 1000.0, args.busy_cores)
-    if args.cores < 1 or min(args.front_ms, args.batch_overhead_ms, args.client_ms,
-                             args.busy_cores, args.noise) < 0 or limit <= 0 or args.rows < 1:
-        raise PlanError("--cores and --rows must be at least 1, --limit-ms above 0, and the "
-                        "machine's costs, --busy-cores and --noise at least 0")
+    machine = _machine(args, limit)
     traffic = _traffic(args)
     target = traffic.mean_rate if args.target is None else args.target
     sizes = (_positive_ints(args.max_batch_sizes, "--max-batch-sizes")
@@ -272,6 +307,8 @@ def inputs(args: argparse.Namespace) -> tuple[Inputs, list[Setting], float, Runn
 def main(argv: list[str]) -> int:
     """`batchserve plan ...`; returns the exit status."""
     args = _parser().parse_args(argv)
+    if args.pipeline is not None:
+        return _main_pipeline(args)
     began = time.perf_counter()
     try:
         if args.png is not None:
@@ -288,6 +325,60 @@ def main(argv: list[str]) -> int:
         print(json.dumps(_json(plans, made, target, runner.name, seconds)))
     else:
         print(describe(plans, made, target, runner.name, seconds))
+    return 0
+
+
+# --- a pipeline -----------------------------------------------------------------------------
+
+
+def _pipeline_costs(args: argparse.Namespace, runners: tuple[str, ...]) -> dict[str, Cost]:
+    """Each runner's cost: its batch logs in the folder, its line in /metrics, or --fit."""
+    if args.batch_log is not None and not args.batch_log.is_dir():
+        raise PlanError(f"--batch-log has value {str(args.batch_log)!r}; for a pipeline it "
+                        "must be the folder of its runners' logs (<runner>-<pid>.csv)")
+    if args.fit is None:
+        return {name: _cost(args, name) for name in runners}
+    return {name: Cost(intercept, slope, noise=args.noise)
+            for name, (intercept, slope) in _fits(args.fit, runners).items()}
+
+
+def pipeline_inputs(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything a pipeline's plan needs, from the command line, as `plan_pipeline` takes it."""
+    config = load(args.config)
+    if args.pipeline not in config.pipelines:
+        known = ", ".join(config.pipelines) or "it has none"
+        raise PlanError(f"--pipeline has value {args.pipeline!r}; it must be a pipeline of "
+                        f"{args.config} ({known})")
+    if args.png is not None:
+        raise PlanError("--png draws one runner's plan; leave it out with --pipeline")
+    pipeline = config.pipelines[args.pipeline]
+    runners = tuple(dict.fromkeys(pipeline.runners))
+    limit = pipeline.max_latency_ms if args.limit_ms is None else args.limit_ms
+    machine = _machine(args, limit)
+    traffic = _traffic(args)
+    sizes = _positive_ints(args.max_batch_sizes, "--max-batch-sizes") \
+        if args.max_batch_sizes else None
+    processes = _positive_ints(args.processes, "--processes")
+    settings = [[Setting(k, m) for k in processes
+                 for m in (sizes or [config.runners[step.runner].batching.max_batch_size])]
+                for step in pipeline.steps]
+    return {"pipeline": pipeline, "runners": config.runners,
+            "costs": _pipeline_costs(args, runners), "machine": machine, "traffic": traffic,
+            "target": traffic.mean_rate if args.target is None else args.target,
+            "settings": settings, "limit_ms": limit, "seed": args.seed}
+
+
+def _main_pipeline(args: argparse.Namespace) -> int:
+    try:
+        given = pipeline_inputs(args)
+        result = plan_pipeline(**given)
+    except (PlanError, ConfigError) as exc:
+        print(f"batchserve plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(describe_pipeline(result, [_cost_text(step.inputs) for step in result.steps]))
     return 0
 
 

@@ -16,6 +16,9 @@ A scenario file:
       - {seconds: 20, rate: 300, cost: {intercept_ms: 10, per_item_ms: 1.0}}
 
 A phase's `cost` overrides the given keys from the phase's start on, for later phases too.
+A pipeline's scenario may give its runners costs of their own (`batchserve simulate
+--pipeline`): `runners: {tokenize: {intercept_ms: 0.2, per_item_ms: 0.05}}` overrides the given
+keys of each phase's cost for that runner; a runner not named there costs what `cost` says.
 
 The cost of a batch is its model-thread CPU time: `intercept_ms + per_item_ms * rows` times a
 lognormal factor of sigma `noise`, or a batch drawn from a recording (`replay: FILE`, a path
@@ -109,10 +112,17 @@ class Scenario:
     size_min: int
     size_max: int
     phases: tuple[Phase, ...]
+    runners: tuple[tuple[str, tuple[Cost, ...]], ...] = ()
+    """Runners' own costs, each phase by phase (a pipeline's steps): see `costs_of`."""
 
     @property
     def seconds(self) -> float:
         return sum(phase.seconds for phase in self.phases)
+
+    def costs_of(self, runner: str) -> tuple[Cost, ...]:
+        """A runner's cost in each phase: its own (`runners`), else the phases'."""
+        own = dict(self.runners).get(runner)
+        return own if own is not None else tuple(phase.cost for phase in self.phases)
 
 
 def load_scenario(path: str | Path) -> Scenario:
@@ -127,7 +137,7 @@ def load_scenario(path: str | Path) -> Scenario:
 def parse_scenario(data: Any, name: str = "scenario", folder: str | Path = ".") -> Scenario:
     """Check and type a scenario; `folder` is where a `replay` path is relative to."""
     top = _mapping(data, name, {"slo_ms", "max_batch_size", "seed", "cost", "request_size",
-                                "phases", "description"})
+                                "phases", "description", "runners"})
     folder = Path(folder)
     cost = _cost(top.get("cost"), f"{name}.cost", None, folder)
     size_min, size_max = _request_size(top.get("request_size", 1), f"{name}.request_size")
@@ -156,6 +166,7 @@ def parse_scenario(data: Any, name: str = "scenario", folder: str | Path = ".") 
         size_min=size_min,
         size_max=size_max,
         phases=tuple(phases),
+        runners=_runner_costs(top.get("runners", {}), f"{name}.runners", phases, folder),
     )
 
 
@@ -214,6 +225,18 @@ def _cost(value: Any, where: str, base: Cost | None, folder: Path) -> Cost:
         if key in entry:
             cost = replace(cost, **{key: parse(entry[key], f"{where}.{key}")})
     return cost
+
+
+def _runner_costs(value: Any, where: str, phases: list[Phase], folder: Path
+                  ) -> tuple[tuple[str, tuple[Cost, ...]], ...]:
+    """Each named runner's cost phase by phase: its keys over the phase's cost."""
+    if not isinstance(value, Mapping):
+        raise ScenarioError(f"{where} has value {value!r}; it must be a mapping of runner "
+                            "names to costs")
+    return tuple(
+        (str(runner), tuple(_cost(cost, f"{where}.{runner}", phase.cost, folder)
+                            for phase in phases))
+        for runner, cost in value.items())
 
 
 def _replay(value: Any, where: str, folder: Path) -> Recording:

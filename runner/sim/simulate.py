@@ -1,7 +1,8 @@
 """A discrete-event simulator that runs the real policy code against a synthetic model.
 
 `batchserve simulate SCENARIO.yml [--policy adaptive|fixed|none|bentoml] [--window-ms W]
-[--cap N] [--seed S] [--json]`. Time is virtual: the policy sees the simulator's
+[--cap N] [--seed S] [--json]`; with `--pipeline NAME [--config PATH]`, a pipeline's steps in
+turn (`batchserve.runner.sim.pipeline`). Time is virtual: the policy sees the simulator's
 clock, a batch of n rows costs `(intercept + per_item * n) * lognormal(0, noise)` of CPU (or a
 recorded batch's), its wall time is that cost inflated by contention, a heavy tail and stalls
 when the scenario asks for them (`batchserve.runner.sim.batch_times`), and Poisson traffic is
@@ -20,17 +21,28 @@ import math
 import random
 import sys
 import time
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
-from ..core.config import REFUSE_MODES
+from ..core.config import REFUSE_MODES, load
 from ..policy.base import Batch, Policy, Request
-from ..policy.latency_model import Timing
 from ..policy.policies import NAMES, make_policy
 from .batch_times import BatchTimer
-from .scenario import Cost, Phase, Scenario, load_scenario
+from .pipeline import describe as describe_pipeline
+from .pipeline import simulate_pipeline, stations
+from .scenario import Scenario, load_scenario
+from .trace import (
+    CostClock,
+    Trace,
+    arrivals,
+    batch_answered,
+    calibrate,
+    percentile,
+    refit,
+    start_batch,
+)
 
 DEFAULT_FIXED_WINDOW_MS = 5.0
 
@@ -67,37 +79,6 @@ class Result:
 # --- the run --------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Trace:
-    """Mutable tallies of one run; turned into a frozen `Result` at the end."""
-
-    latencies: list[float] = field(default_factory=list)
-    late: int = 0
-    refusals: list[tuple[Request, float]] = field(default_factory=list)
-    batch_starts: list[float] = field(default_factory=list)
-    batch_info: list[tuple[float, int, float]] = field(default_factory=list)  # finish, rows, x
-    batch_slack: list[float] = field(default_factory=list)  # least on-time slack of a batch
-    reasons: Counter[str] = field(default_factory=Counter)
-    refit_s: list[float] = field(default_factory=list)
-
-
-def arrivals(scenario: Scenario, seed: int) -> list[tuple[float, int]]:
-    """Poisson arrival times with their request sizes, phase by phase."""
-    rng = random.Random(seed)
-    out: list[tuple[float, int]] = []
-    start = 0.0
-    low, high = scenario.size_min, scenario.size_max
-    for phase in scenario.phases:
-        end = start + phase.seconds
-        if phase.rate > 0:
-            t = start + rng.expovariate(phase.rate)
-            while t < end:
-                out.append((t, low if low == high else rng.randint(low, high)))
-                t += rng.expovariate(phase.rate)
-        start = end
-    return out
-
-
 def simulate(
     scenario: Scenario,
     policy_kind: str = "adaptive",
@@ -116,7 +97,7 @@ def simulate(
         policy = make_policy(policy_kind, scenario.max_batch_size, slo_s, **policy_kw)
     noise = random.Random(seed * 7919 + 1)
     machine = random.Random(seed * 7919 + 2)
-    _calibrate(policy, scenario.phases[0].cost, noise, machine)
+    calibrate(policy, scenario.phases[0].cost, noise, machine)
     wall = time.perf_counter()
     traffic = arrivals(scenario, seed) if traffic is None else traffic
     timer = BatchTimer(noise, machine, [arrival for arrival, _ in traffic])
@@ -130,28 +111,15 @@ def label(policy_kind: str, policy_kw: dict[str, Any]) -> str:
     return policy_kind if refuse == "at_arrival" else f"{policy_kind} ({refuse})"
 
 
-def _calibrate(policy: Policy, cost: Cost, noise: random.Random, machine: random.Random) -> None:
-    """Time the policy's calibration sizes before traffic, as the live runner does: on an idle
-    machine, so wall time is the cost (a replayed batch's CPU time)."""
-    timings = []
-    for rows in policy.calibration_sizes():
-        if cost.replay is not None:
-            seconds = cost.replay.sample(rows, machine).cpu_s
-        else:
-            seconds = cost.mean_s(rows) * noise.lognormvariate(0.0, cost.noise)
-        timings.append(Timing(rows, seconds, seconds))
-    policy.calibrate(timings)
-
-
 def _run(
     policy: Policy,
     traffic: list[tuple[float, int]],
     scenario: Scenario,
     slo_s: float,
     timer: BatchTimer,
-) -> _Trace:
-    trace = _Trace()
-    costs = _CostClock(scenario.phases)
+) -> Trace:
+    trace = Trace()
+    costs = CostClock(scenario.phases)
     cpu_s = 0.0
     inf = math.inf
     count = len(traffic)
@@ -167,9 +135,9 @@ def _run(
         if done_at <= arrival and done_at <= wake:
             assert running is not None
             policy.complete(running, started, done_at, cpu_s)
-            _answered(trace, running, done_at)
+            batch_answered(trace, running, done_at)
             running, done_at = None, inf
-            _refit(policy, now, trace)
+            refit(policy, now, trace)
         elif arrival <= wake:
             request = Request(index, traffic[index][1], arrival, arrival + slo_s)
             index += 1
@@ -184,66 +152,16 @@ def _run(
             if running is not None:
                 raise RuntimeError("the policy released a batch while one was running")
             running, started = step.batch, now
-            taken = timer.draw(costs.at(now), step.batch.rows, now)
+            taken = start_batch(trace, timer, costs, step.batch, now)
             cpu_s, done_at = taken.cpu_s, now + taken.wall_s
-            _started(trace, step.batch, now, done_at, taken.per_row_s)
         wake = inf if step.wake_at is None else max(step.wake_at, now + 1e-6)
     return trace
-
-
-class _CostClock:
-    """The cost in force at a time; times only move forward, so lookups are O(1) amortised."""
-
-    def __init__(self, phases: Sequence[Phase]) -> None:
-        self.ends = list(_cumulative(phase.seconds for phase in phases))
-        self.costs = [phase.cost for phase in phases]
-        self.index = 0
-
-    def at(self, now: float) -> Cost:
-        while self.index < len(self.ends) - 1 and now >= self.ends[self.index]:
-            self.index += 1
-        return self.costs[self.index]
-
-
-def _cumulative(values: Iterable[float]) -> Iterable[float]:
-    total = 0.0
-    for value in values:
-        total += value
-        yield total
-
-
-def _started(trace: _Trace, batch: Batch, now: float, done_at: float, per_row_s: float) -> None:
-    trace.batch_starts.append(now)
-    trace.batch_info.append((done_at, batch.rows, per_row_s))
-    trace.reasons[batch.reason] += 1
-
-
-def _answered(trace: _Trace, batch: Batch, finished: float) -> None:
-    slack = math.inf
-    for request in batch.requests:
-        trace.latencies.append(finished - request.arrival)
-        if finished > request.deadline:
-            trace.late += 1
-        elif request.deadline - finished < slack:
-            slack = request.deadline - finished
-    trace.batch_slack.append(slack)
-
-
-def _refit(policy: Policy, now: float, trace: _Trace) -> None:
-    """Run a due refit inline, timing it: the live runner runs the same job on a thread."""
-    job = policy.refit_job(now)
-    if job is None:
-        return
-    began = time.perf_counter()
-    fit = job()
-    trace.refit_s.append(time.perf_counter() - began)
-    policy.apply_fit(fit)
 
 
 # --- measures -------------------------------------------------------------------------------
 
 
-def false_rejections(trace: _Trace, max_batch_size: int) -> int:
+def false_rejections(trace: Trace, max_batch_size: int) -> int:
     """Refusals that were not needed (docs/dispatcher.md, "false refusal"): how many of the
     refused requests could all have been served on time, together, without making any
     admitted request late.
@@ -281,7 +199,7 @@ class _Schedule:
     the most batch i's finish may slip without making an on-time answer late.
     """
 
-    def __init__(self, trace: _Trace) -> None:
+    def __init__(self, trace: Trace) -> None:
         self.began = trace.batch_starts  # as they ran: which batches a request could join
         self.starts = list(trace.batch_starts)
         self.ends = [finish for finish, _, _ in trace.batch_info]
@@ -327,14 +245,7 @@ class _Schedule:
                 following = starts[i] - ends[i - 1] + absorb[i]
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def _result(scenario: Scenario, policy: str, trace: _Trace, wall_s: float) -> Result:
+def _result(scenario: Scenario, policy: str, trace: Trace, wall_s: float) -> Result:
     answered = len(trace.latencies)
     waits = [now - request.arrival for request, now in trace.refusals]
     batches = len(trace.batch_starts)
@@ -349,12 +260,12 @@ def _result(scenario: Scenario, policy: str, trace: _Trace, wall_s: float) -> Re
         rejected=len(trace.refusals),
         late=trace.late,
         goodput_rps=(answered - trace.late) / scenario.seconds,
-        p50_ms=_percentile(trace.latencies, 0.50) * 1000.0,
-        p99_ms=_percentile(trace.latencies, 0.99) * 1000.0,
+        p50_ms=percentile(trace.latencies, 0.50) * 1000.0,
+        p99_ms=percentile(trace.latencies, 0.99) * 1000.0,
         mean_batch_size=rows / batches if batches else 0.0,
         false_rejections=false_rejections(trace, scenario.max_batch_size),
         rejected_at_arrival=sum(1 for wait in waits if wait == 0.0),
-        reject_wait_p99_ms=_percentile(waits, 0.99) * 1000.0,
+        reject_wait_p99_ms=percentile(waits, 0.99) * 1000.0,
         batches=batches,
         reasons=dict(sorted(trace.reasons.items())),
         refits=len(refit_ms),
@@ -404,7 +315,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a batching policy through a traffic scenario on a virtual clock.",
     )
     parser.add_argument("scenario", help="a scenario YAML file (see benchmarks/scenarios/)")
-    parser.add_argument("--policy", choices=NAMES, default="adaptive")
+    parser.add_argument("--pipeline", help="simulate this pipeline of --config: its steps in "
+                        "turn, each its runner's policy, under its one limit")
+    parser.add_argument("--config", type=Path, default=Path("configuration.yml"),
+                        help="the configuration that holds --pipeline (default: %(default)s)")
+    parser.add_argument("--policy", choices=NAMES)
     parser.add_argument("--window-ms", type=float, help="window of --policy fixed")
     parser.add_argument("--cap", type=int, help="batch cap of --policy fixed")
     parser.add_argument("--seed", type=int, help="override the scenario's seed")
@@ -418,6 +333,13 @@ def main(argv: list[str]) -> int:
     """`batchserve simulate ...`; returns the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.pipeline is not None:
+        if args.policy or args.window_ms is not None or args.cap is not None \
+                or args.refuse != "at_arrival":
+            parser.error("--policy, --window-ms, --cap and --refuse apply to one runner; each "
+                         "step of --pipeline runs the policy its runner is configured with")
+        return _simulate_pipeline(args)
+    args.policy = args.policy or "adaptive"
     kw: dict[str, Any] = {}
     if args.policy == "fixed":
         kw["window_s"] = (DEFAULT_FIXED_WINDOW_MS if args.window_ms is None else args.window_ms)
@@ -437,6 +359,18 @@ def main(argv: list[str]) -> int:
         print(f"batchserve simulate: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_json()) if args.json else _describe(result))
+    return 0
+
+
+def _simulate_pipeline(args: argparse.Namespace) -> int:
+    try:
+        scenario, steps = stations(load(args.config), args.pipeline,
+                                   load_scenario(args.scenario), str(args.config))
+        result = simulate_pipeline(scenario, args.pipeline, steps, seed=args.seed)
+    except ValueError as exc:
+        print(f"batchserve simulate: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_json()) if args.json else describe_pipeline(result))
     return 0
 
 
