@@ -89,16 +89,18 @@ class Run:
         ratio = (f"{self.goodput / oldest.goodput:.3f}"
                  if oldest is not None and oldest.goodput > 0 else "-")
         verdict = "PASS" if late is not None and late <= LATE_SHARE else "MISS"
+        at_server = self.server.late
         cells = [self.mode, f"{self.load:g}x", r.client, f"{r.sent:,}",
                  percent(self.share(r.good)), f"{100 * late:.2f}" if late is not None else "-",
+                 "-" if at_server is None or not r.sent else f"{100 * at_server / r.sent:.2f}",
                  percent(self.share(r.refused)), percent(self.share(r.other)),
                  f"{self.goodput:.1f}", ratio, verdict, reasons(self.server.unavailable)]
         return "| " + " | ".join(cells) + " |"
 
 
-HEAD = (f"| mode | load | client | sent | ≤ {LIMIT_MS:g} ms % | late % | 503 % | other % "
-        "| goodput req/s | of oldest's | late ≤ 0.1% | server's 503s |\n"
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+HEAD = (f"| mode | load | client | sent | ≤ {LIMIT_MS:g} ms % | late % | late at the server % "
+        "| 503 % | other % | goodput req/s | of oldest's | late ≤ 0.1% | server's 503s |\n"
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
 
 
 def table(runs: Sequence[Run]) -> str:
@@ -116,7 +118,7 @@ def measure(client: SharedClient, base: str, mode: Refuse, load: float,
         client.run(url, rate, args.warmup_seconds, seed=999)
     before = fetch(base)
     result = client.run(url, rate, args.seconds, seed=1)
-    return Run(mode, load, result, server_window(before, fetch(base), MODEL))
+    return Run(mode, load, result, server_window(before, fetch(base), MODEL, LIMIT_MS / 1000))
 
 
 def run(args: argparse.Namespace) -> list[Run]:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +47,7 @@ from dataclasses import asdict, dataclass
 import orjson
 
 from batchserve.api.bench.loadgen import loop_factory
-from batchserve.api.bench.scrape import Scrape, delta, fetch
+from batchserve.api.bench.scrape import Scrape, bucket_delta, delta, fetch
 from batchserve.runner.core.config import Refuse
 from batchserve.runner.policy.latency_model import Fit
 from benchmarks.live_clients import Client, OwnClient, RunResult, SharedClient, add_run_options
@@ -96,6 +97,7 @@ class Server:
     batches: int
     rows: int
     model: dict[str, float]  # GAUGES at the end of the run
+    late: int | None = None  # 200s the API workers answered past the limit, if a bucket ends there
 
     @property
     def mean_batch(self) -> float | None:
@@ -118,7 +120,8 @@ class Server:
         return reasons({**self.unavailable, **other})
 
 
-def server_window(before: Scrape, after: Scrape, runner: str = MODEL) -> Server:
+def server_window(before: Scrape, after: Scrape, runner: str = MODEL,
+                  limit_s: float | None = None) -> Server:
     def by(name: str, label: str) -> dict[str, float]:
         return delta(before.by_label(name, label, runner=runner),
                      after.by_label(name, label, runner=runner))
@@ -132,7 +135,19 @@ def server_window(before: Scrape, after: Scrape, runner: str = MODEL) -> Server:
                   unavailable=by("batchserve_unavailable_total", "reason"),
                   rejections=by("batchserve_rejections_total", "reason"),
                   batches=grown(f"{size}_count"), rows=grown(f"{size}_sum"),
-                  model={key: value for key, value in model.items() if value is not None})
+                  model={key: value for key, value in model.items() if value is not None},
+                  late=None if limit_s is None else late_at_server(before, after, runner, limit_s))
+
+
+def late_at_server(before: Scrape, after: Scrape, runner: str, limit_s: float) -> int | None:
+    """200s answered more than `limit_s` after their headers were read, by the API workers'
+    own clock (None unless a bucket of the duration histogram ends at the limit): the
+    lateness a client counts beyond this was spent outside the server's processes."""
+    name, labels = "batchserve_request_duration_seconds", {"runner": runner, "code": "200"}
+    buckets = bucket_delta(before.buckets(name, **labels), after.buckets(name, **labels))
+    if limit_s not in buckets:
+        return None
+    return round(buckets[math.inf] - buckets[limit_s])
 
 
 @dataclass(frozen=True)

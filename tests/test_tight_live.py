@@ -18,6 +18,7 @@ from benchmarks.tight_live import (
     Run,
     Server,
     config,
+    late_at_server,
     plan,
     reasons,
     server_window,
@@ -121,6 +122,22 @@ def test_the_server_window_is_what_grew_between_two_readings() -> None:
                             model={"slope_s": 0.0006, "cap": 1.0})  # the gauges at the end
     assert server.mean_batch == 1.5
     assert Server({}, {}, {}, 0, 0, {}).mean_batch is None
+
+
+def durations(under_50ms: int, total: int) -> Scrape:
+    name, labels = "batchserve_request_duration_seconds_bucket", f'runner="{MODEL}",code="200"'
+    lines = [f'{name}{{{labels},le="0.02"}} {under_50ms // 2}',
+             f'{name}{{{labels},le="0.05"}} {under_50ms}',
+             f'{name}{{{labels},le="+Inf"}} {total}',
+             f'{name}{{runner="other",code="200",le="+Inf"}} {total * 9}']
+    return Scrape.parse("\n".join(lines) + "\n")
+
+
+def test_late_at_the_server_is_what_grew_past_the_limit_bucket() -> None:
+    before, after = durations(900, 910), durations(1890, 1930)
+    assert late_at_server(before, after, MODEL, 0.05) == 30
+    assert late_at_server(before, after, MODEL, 0.012) is None  # no bucket ends at 12 ms
+    assert server_window(before, after, MODEL, 0.05).late == 30
 
 
 def test_other_statuses_than_200_and_503_join_the_reasons() -> None:
