@@ -15,7 +15,9 @@ the entrance (503, reason `pipeline`), each step is sent with what is left less 
 steps' predicted time, and a step refused or failed ends the request at once:
 no later step runs, and the answer is that step's error, its message naming the step.
 Refusals are counted by step (its position and runner) in
-`batchserve_pipeline_refusals_total`.
+`batchserve_pipeline_refusals_total`, and the rows each step ran for requests that then ended
+refused, failed or late in `batchserve_pipeline_wasted_rows_total`: the compute the one
+deadline is there to save.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from .errors import BacklogRefused, BadRequest, BatchserveError, PipelineRefused
 from .failures import outputs_of
 from .overload import Gate
 
-__all__ = ["Chain", "Host", "Route", "pipeline_refusals"]
+__all__ = ["Chain", "Host", "Route", "pipeline_refusals", "pipeline_wasted_rows"]
 
 pipeline_refusals = Counter(
     "batchserve_pipeline_refusals_total",
@@ -56,6 +58,14 @@ def count_refusal(pipeline: str, index: int, runner: str, by: float = 1.0) -> No
     """Count a refusal of step `index` (its position, from 0) of `pipeline`: a runner used
     twice in one chain is two steps, counted apart. `by` 0 makes the series exist."""
     pipeline_refusals.labels(pipeline, str(index), runner).inc(by)
+
+
+pipeline_wasted_rows = Counter(
+    "batchserve_pipeline_wasted_rows_total",
+    "Rows a pipeline's step ran for requests that a later step then refused or failed, or "
+    "that were answered past their limit",
+    ["pipeline", "step", "runner"],
+)
 
 
 class Host(Protocol):
@@ -84,6 +94,7 @@ class Route:
     def __post_init__(self) -> None:
         for index, step in enumerate(self.pipeline.steps):  # every series reads 0 from the start
             count_refusal(self.pipeline.name, index, step.runner, 0.0)
+            pipeline_wasted_rows.labels(self.pipeline.name, str(index), step.runner)
 
     def backlogs(self, now: float) -> list[Published | None]:
         """Each step's most hopeful process's published backlog, as judged at `now`."""
@@ -116,26 +127,31 @@ class Route:
 class Chain:
     """One request's way through the steps: the tensors known so far, the step now out."""
 
-    __slots__ = ("route", "host", "tensors", "deadline", "index", "rows", "group")
+    __slots__ = ("route", "host", "tensors", "deadline", "due", "index", "rows", "group",
+                 "ran")
 
     def __init__(self, route: Route, host: Host) -> None:
         self.route, self.host = route, host
         self.tensors: dict[str, np.ndarray] = {}
-        self.deadline = 0.0
+        self.deadline = self.due = 0.0
         self.index = self.rows = 0
         self.group: tuple[str, ...] = ()
+        self.ran: list[int] = []  # the rows each step answered so far ran
 
     @property
     def step(self) -> Step:
         return self.route.pipeline.steps[self.index]
 
-    def start(self, inputs: Tensors, rows: int, deadline: float, group: tuple[str, ...] = ()
-              ) -> None:
+    def start(self, inputs: Tensors, rows: int, deadline: float, group: tuple[str, ...] = (),
+              *, due: float | None = None) -> None:
         """Judge the decoded request again, on its own budget, then send the first step.
         `group` holds the request's values of the pipeline's `group_by` parameters: each step
-        is sent with its runner's, as a request for that runner alone would be."""
+        is sent with its runner's, as a request for that runner alone would be. `deadline` is
+        what the steps share; `due`, when the answer is late (the request's arrival plus its
+        limit, past the reserve kept for the way home; `deadline` if not given)."""
         self.tensors = dict(inputs)
         self.deadline = deadline
+        self.due = deadline if due is None else due
         self.group = group
         now = time.monotonic()
         self.route.judge(deadline - now, now, rows)
@@ -196,16 +212,27 @@ class Chain:
             if not self.host.done:
                 self._fail(exc)
             return
+        self.ran.append(self.rows)
         self.index += 1
         if self.index < len(route.pipeline.steps):
             self._send()
             return
+        if time.monotonic() > self.due:
+            self._wasted()
         outputs = {spec.name: self.tensors[spec.name] for spec in route.pipeline.facade.outputs}
         self.host.deliver(outputs, self.rows)  # the rows the last step was called with
+
+    def _wasted(self) -> None:
+        """Count the rows the steps answered so far ran for nothing: the request ends
+        refused, failed or late."""
+        name, steps = self.route.pipeline.name, self.route.pipeline.steps
+        for index, (step, rows) in enumerate(zip(steps, self.ran, strict=False)):
+            pipeline_wasted_rows.labels(name, str(index), step.runner).inc(rows)
 
     def _fail(self, exc: BaseException) -> None:
         """End the request with the step's error, its message naming the step."""
         name, step = self.route.pipeline.name, self.step
+        self._wasted()
         if isinstance(exc, BatchserveError):
             exc.message = (f"pipeline {name!r}, step {self.index} (runner {step.runner!r}): "
                            f"{exc.message}")

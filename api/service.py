@@ -453,7 +453,8 @@ class Exchange:
                 f"the request's deadline passed before it reached {runner.name!r}",
                 reason="late")
         if self.chain is not None:
-            self.chain.start(call.inputs, call.rows, self.sent + self.budget_s, call.group)
+            self.chain.start(call.inputs, call.rows, self.sent + self.budget_s, call.group,
+                             due=arrived + limit)
             return
         pool = service.pools[runner.name]
         link = pool.pick()

@@ -202,3 +202,44 @@ def refusals(pipeline: str, step: str) -> float:
                                       {"pipeline": pipeline, "step": step, "runner": "first"})
     assert value is not None, f"no series for step {step}"
     return value
+
+
+def wasted(step: str, runner: str) -> float:
+    value = REGISTRY.get_sample_value("batchserve_pipeline_wasted_rows_total",
+                                      {"pipeline": "chain", "step": step, "runner": runner})
+    assert value is not None, f"no series for step {step}"
+    return value
+
+
+def test_rows_a_step_ran_for_a_request_a_later_step_refused_are_counted_wasted(
+        pools: dict[str, StubPool]) -> None:
+    host = Host()
+    chained = route(pools)
+    before = wasted("0", "first"), wasted("1", "second")
+    chained.chain(host).start({"x": np.ones((3, 2), np.float32)}, 3, deadline=math.inf)
+    (_, _, _, done), = pools["first"].sent
+    done({"y": np.ones((3, 2), np.float32)})
+    (_, _, _, done), = pools["second"].sent
+    done(RunnerFailure(Failure(1, FailureCode.REFUSED, "refused", 2.0)))
+    assert isinstance(host.answer, SloRefused)
+    assert (wasted("0", "first"), wasted("1", "second")) == (before[0] + 3, before[1])
+
+
+def test_an_answer_past_the_limit_counts_every_step_wasted_and_one_in_time_none(
+        pools: dict[str, StubPool], monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr("batchserve.api.pipeline.time.monotonic", lambda: clock[0])
+    for answered_at, late in ((0.090, False), (0.130, True)):
+        host = Host()
+        clock[0] = 0.0
+        chained = route(pools)
+        before = wasted("0", "first"), wasted("1", "second")
+        chained.chain(host).start({"x": np.ones((2, 2), np.float32)}, 2, deadline=0.080,
+                                  due=0.100)
+        pools["first"].sent.pop()[3]({"y": np.ones((2, 2), np.float32)})
+        clock[0] = answered_at
+        pools["second"].sent.pop()[3]({"z": np.ones((2, 2), np.float32)})
+        assert isinstance(host.answer, tuple)  # answered, in time or not
+        added = 2 if late else 0
+        assert (wasted("0", "first"), wasted("1", "second")) == (before[0] + added,
+                                                                 before[1] + added)
