@@ -53,8 +53,9 @@ def markdown(state: Mapping[str, Any], args: argparse.Namespace, limit_ms: float
 def _verdicts(records: list[Any], args: argparse.Namespace) -> str:
     lines = []
     for rate, ours, theirs, held in table.goodput_verdicts(records):
-        lines.append(f"- At {rate:,.0f} req/s the pipeline's goodput is {ours:,.0f}/s, "
-                     f"mosec's {theirs:,.0f}/s: {'at least' if held else 'below'} mosec's.")
+        verdict = "at least mosec's" if held else f"{theirs - ours:,.1f}/s below mosec's"
+        lines.append(f"- At {rate:,.0f} req/s the pipeline's goodput is {ours:,.1f}/s, "
+                     f"mosec's {theirs:,.1f}/s: {verdict}.")
     low = table.low_load_p50(records, args.low_rate)
     if low is not None:
         pipeline, tokenize, text = low
@@ -69,7 +70,7 @@ def _verdicts(records: list[Any], args: argparse.Namespace) -> str:
             f"- At {record['rate']:,.0f} req/s the pipeline's tokenize ran "
             f"{record['step1_rows']:,.0f} rows, {wasted:,} of them "
             f"({100 * wasted / max(record['step1_rows'], 1):.1f}%) for requests not answered "
-            f"within the limit (the server's own count: {own:,.0f}).")
+            f"within the limit (the server's own count: {own:,.0f}){_reasons(record)}.")
     return "\n".join(lines)
 
 
@@ -85,3 +86,14 @@ def _settings(best: tuple[int, int] | None) -> str:
         "thread; pipeline `classify` max_latency_ms 100; two API workers |",
         f"| mosec | {mosec}; the same tokenizer and model code, one torch thread |",
     ])
+
+
+def _reasons(record: Mapping[str, Any]) -> str:
+    """The 503s of a window by the reason their bodies name, most first."""
+    counts = {reason: sum(values.values())
+              for reason, values in record["load"]["retry_after_by_reason"].items()}
+    if not counts:
+        return ""
+    said = ", ".join(f"`{reason}` {count:,}" for reason, count in
+                     sorted(counts.items(), key=lambda item: -item[1]))
+    return f"; its 503s by reason: {said}"
