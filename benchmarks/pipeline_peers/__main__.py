@@ -126,6 +126,7 @@ class Measure:
             "first_ok": first_ok,
             "wasted_counter": (servers.wasted_counter(after) - servers.wasted_counter(before)
                                if bs and what == "pipeline" else None),
+            "runner_refusals": servers.runner_refusals(before, after) if bs else None,
         }
 
     def load(self, server: servers.Running, what: str, rate: float, seconds: float, seed: int

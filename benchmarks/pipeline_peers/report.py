@@ -70,7 +70,8 @@ def _verdicts(records: list[Any], args: argparse.Namespace) -> str:
             f"- At {record['rate']:,.0f} req/s the pipeline's tokenize ran "
             f"{record['step1_rows']:,.0f} rows, {wasted:,} of them "
             f"({100 * wasted / max(record['step1_rows'], 1):.1f}%) for requests not answered "
-            f"within the limit (the server's own count: {own:,.0f}){_reasons(record)}.")
+            f"within the limit (the server's own count: {own:,.0f}){_reasons(record)}"
+            f"{_by_runner(record)}.")
     return "\n".join(lines)
 
 
@@ -97,3 +98,12 @@ def _reasons(record: Mapping[str, Any]) -> str:
     said = ", ".join(f"`{reason}` {count:,}" for reason, count in
                      sorted(counts.items(), key=lambda item: -item[1]))
     return f"; its 503s by reason: {said}"
+
+
+def _by_runner(record: Mapping[str, Any]) -> str:
+    """What each step's runner refused itself."""
+    refused = record.get("runner_refusals")
+    if not refused or not any(refused.values()):
+        return ""
+    return (f"; refused by the runners themselves: {refused['tokenize']:,.0f} by `tokenize`, "
+            f"{refused['text']:,.0f} by `text`")

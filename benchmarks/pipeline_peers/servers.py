@@ -100,6 +100,14 @@ def wasted_counter(scrape: Scrape) -> float:
                         step="tokenize")
 
 
+def runner_refusals(before: Scrape, after: Scrape) -> dict[str, float]:
+    """The requests each step's runner refused itself (at their arrival, or expired in its
+    queue) between two readings: for `text`, after `tokenize` ran them."""
+    name = "batchserve_rejections_total"
+    return {runner: after.total(name, runner=runner) - before.total(name, runner=runner)
+            for runner in ("tokenize", "text")}
+
+
 def _mosec_step1(scrape: Scrape) -> tuple[float, float]:
     name = "mosec_service_batch_size"
     return (scrape.total(f"{name}_sum", stage="Tokenize_1"),
