@@ -3,13 +3,14 @@ setting, the verdicts and the table; and the chained client's reading of answers
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import orjson
 import pytest
 
 from batchserve.api.bench.load_result import summarize
-from benchmarks.pipeline_peers import servers, table
+from benchmarks.pipeline_peers import report, servers, table
 from benchmarks.pipeline_peers.chain_client import BodyParser
 
 
@@ -85,3 +86,28 @@ def test_the_chained_client_reads_bodies_split_anywhere() -> None:
 @pytest.mark.parametrize("rows,good,expected", [(10.4, 10, 0), (10.6, 10, 1)])
 def test_rows_are_whole(rows: float, good: int, expected: int) -> None:
     assert table.wasted_rows(rows, good) == expected
+
+
+def test_the_section_says_each_target_with_its_numbers() -> None:
+    args = argparse.Namespace(seconds=10.0, warmup_seconds=3.0, warmup_rate=200.0,
+                              low_rate=50.0, knee=1000.0)
+    records = [
+        window("pipeline", 50, 500, step1_rows=500, wasted=0, job="low 50"),
+        window("tokenize", 50, 500, job="low 50"), window("text", 50, 500, job="low 50"),
+        window("mosec", 50, 500, step1_rows=500, job="mosec 50"),
+        window("pipeline", 2000, 900, refused=100, step1_rows=1000, wasted=100,
+               runner_refusals={"tokenize": 0.0, "text": 100.0}, job="pipeline 2000"),
+        window("mosec", 2000, 1000, step1_rows=1000, job="mosec 2000"),
+        window("mosec", 2000, 1000, max_batch_size=8, max_wait_ms=2, job="sweep 8 2"),
+    ]
+    state = {"records": records, "began": "2026-01-01 00:00 UTC", "minutes": 1.0}
+    text = report.markdown(state, args, 100.0)
+    assert "- At 50 req/s the pipeline's goodput is 50.0/s, mosec's 50.0/s: at least mosec's." \
+        in text
+    assert "- At 2,000 req/s the pipeline's goodput is 90.0/s, mosec's 100.0/s: 10.0/s below " \
+        "mosec's." in text
+    assert "+0.0 ms" not in text and "10.0 ms summed: -5.0 ms." in text
+    assert ("- At 2,000 req/s the pipeline's tokenize ran 1,000 rows, 100 of them (10.0%) for "
+            "requests not answered within the limit (the server's own count: 100); refused by "
+            "the runners themselves: 0 by `tokenize`, 100 by `text`.") in text
+    assert "max_batch_size=8, max_wait_time=2" in text
