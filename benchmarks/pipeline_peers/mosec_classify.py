@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
-
-BATCH = "BATCHSERVE_PEER_MAX_BATCH"
-WAIT = "BATCHSERVE_PEER_MAX_WAIT_MS"
 
 
 def options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -59,7 +55,6 @@ with contextlib.suppress(ImportError):  # mosec exists only in its own venv
 def main() -> None:
     ours, rest = options(sys.argv[1:])
     sys.argv = [sys.argv[0], *rest]
-    os.environ[BATCH], os.environ[WAIT] = str(ours.max_batch_size), str(ours.max_wait_ms)
     server = Server()
     for worker in (Tokenize, Classify):
         server.append_worker(worker, num=1, max_batch_size=ours.max_batch_size,
