@@ -96,8 +96,9 @@ def _batchserve_step1(scrape: Scrape) -> tuple[float, float]:
 
 
 def wasted_counter(scrape: Scrape) -> float:
+    """The server's own count of the rows its first step ran for nothing."""
     return scrape.total("batchserve_pipeline_wasted_rows_total", pipeline="classify",
-                        step="tokenize")
+                        step="0", runner="tokenize")
 
 
 def runner_refusals(before: Scrape, after: Scrape) -> dict[str, float]:
