@@ -239,4 +239,6 @@ class Chain:
             exc.args = (exc.message,)
             if exc.status == 503:
                 count_refusal(name, self.index, step.runner)
+                # The entrance turns away the share its steps refuse, before any step runs.
+                self.route.gates[name].refused(time.monotonic())
         self.host.fail(exc)

@@ -275,11 +275,19 @@ class Service:
             raise Overloaded(f"this API worker runs {lag_ms:.0f} ms behind",
                              self.front_retry_s(runner, now), details={"lag_ms": lag_ms})
         gate = self.gates[runner]
-        if (gate.share and self.waiting[runner]
+        if (gate.share and self._calls_out(runner)
                 and not gate.admits(random.random(), now := time.monotonic())):
-            raise Overloaded(f"runner {runner!r} refuses {100 * gate.share:.0f}% of what "
+            what = "pipeline" if runner in self.routes else "runner"
+            raise Overloaded(f"{what} {runner!r} refuses {100 * gate.share:.0f}% of what "
                              "comes now", self.front_retry_s(runner, now),
                              details={"refused_share": round(gate.share, 3)})
+
+    def _calls_out(self, name: str) -> int:
+        """Calls this worker has out to a runner, or to any step's runner of a pipeline."""
+        route = self.routes.get(name)
+        if route is None:
+            return self.waiting[name]
+        return sum(self.waiting[step.runner] for step in route.pipeline.steps)
 
     def front_retry_s(self, runner: str, now: float) -> float:
         """Retry-After of a front shed: the backlog that the share this worker turns away

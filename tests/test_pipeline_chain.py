@@ -16,7 +16,7 @@ from batchserve.api import chain
 from batchserve.api.backlog import Published
 from batchserve.api.dispatch import RunnerFailure
 from batchserve.api.errors import PipelineRefused, SloRefused, Unavailable
-from batchserve.api.overload import Gate
+from batchserve.api.overload import ENGAGED, Gate
 from batchserve.api.pipeline import Route
 from batchserve.runner.core.config import parse
 from batchserve.runner.core.timeouts import Timeouts
@@ -112,9 +112,11 @@ def pools() -> dict[str, StubPool]:
     return {"first": StubPool(), "second": StubPool()}
 
 
-def route(pools: dict[str, StubPool]) -> Route:
+def route(pools: dict[str, StubPool], gates: dict[str, Gate] | None = None) -> Route:
+    """The pipeline `chain` over stub pools, with a gate for each runner and for itself."""
+    gates = {name: Gate() for name in (*pools, "chain")} if gates is None else gates
     return Route(CONFIG.pipelines["chain"], CONFIG.runners, pools,  # type: ignore[arg-type]
-                 {name: Gate() for name in pools}, dict.fromkeys(pools, 0), Timeouts())
+                 gates, dict.fromkeys(pools, 0), Timeouts())
 
 
 def test_the_route_refuses_at_the_entrance_naming_the_heaviest_step(
@@ -160,6 +162,27 @@ def test_a_step_refused_ends_the_request_before_the_next_is_sent(
     assert pools["second"].sent == []
 
 
+def test_each_step_refusal_raises_the_share_the_pipeline_turns_away_at_its_entrance(
+        pools: dict[str, StubPool], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step refusing after the steps before it ran wastes their work: the pipeline's own
+    gate learns the share its steps refuse, so the entrance turns it away before any step."""
+    monkeypatch.setattr("batchserve.api.pipeline.time.monotonic", lambda: 5.0)
+    step = Gate().step
+    gates = {name: Gate() for name in (*pools, "chain")}
+    chained = route(pools, gates)
+    for ident in range(10):
+        chained.chain(Host()).start({"x": np.ones((1, 2), np.float32)}, 1, deadline=math.inf)
+        pools["first"].sent.pop()[3]({"y": np.ones((1, 2), np.float32)})
+        pools["second"].sent.pop()[3](
+            RunnerFailure(Failure(ident, FailureCode.REFUSED, "refused", 1.0)))
+    assert gates["chain"].share == pytest.approx(1 - (1 - step) ** 10)
+    assert gates["chain"].shares(5.0) > ENGAGED  # the front sheds now
+    chained.chain(Host()).start({"x": np.ones((1, 2), np.float32)}, 1, deadline=math.inf)
+    pools["first"].sent.pop()[3]({"y": np.ones((1, 2), np.float32)})
+    pools["second"].sent.pop()[3]({"z": np.ones((1, 2), np.float32)})
+    assert gates["chain"].share == pytest.approx(1 - (1 - step) ** 10)
+
+
 def test_a_step_whose_share_of_the_deadline_is_spent_is_not_sent(
         pools: dict[str, StubPool], monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [0.0]
@@ -187,7 +210,7 @@ def test_a_runner_used_twice_is_counted_as_two_steps() -> None:
     pools = {"first": StubPool()}
     host = Host()
     again = Route(config.pipelines["again"], config.runners, pools,  # type: ignore[arg-type]
-                  {"first": Gate()}, {"first": 0}, Timeouts())
+                  {"first": Gate(), "again": Gate()}, {"first": 0}, Timeouts())
     before = {step: refusals("again", step) for step in ("0", "1")}
     again.chain(host).start({"x": np.ones((1, 2), np.float32)}, 1, deadline=math.inf)
     pools["first"].sent[0][3]({"y": np.ones((1, 2), np.float32)})
