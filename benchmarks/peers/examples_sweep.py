@@ -78,10 +78,10 @@ class Plan:
 
 
 PLANS = {
-    # ~30 ms of CPU an image: 2 cores hold some 40-60 images/s at best.
-    "resnet": Plan((4, 16), (10, 50), (25.0, 45.0), (5.0, 15.0, 25.0, 35.0, 45.0)),
-    # ~4-7 ms of CPU a 64-token sequence.
-    "encoder": Plan((8, 32), (5, 20), (150.0, 300.0), (20.0, 100.0, 200.0, 300.0, 400.0)),
+    # 30-40 ms an image on both cores at the best batch, 60-80 ms of CPU: some 20-30 images/s.
+    "resnet": Plan((4, 16), (10, 50), (10.0, 20.0), (3.0, 6.0, 10.0, 14.0, 18.0, 22.0)),
+    # 5-10 ms a 64-token sequence on both cores, 9-19 ms of CPU: some 100-200 sequences/s.
+    "encoder": Plan((8, 32), (5, 20), (60.0, 120.0), (10.0, 40.0, 70.0, 100.0, 130.0, 160.0)),
 }
 
 
