@@ -9,7 +9,7 @@ read around it:
 
 - ``sweep``: each peer at every setting of a small grid, at two rates near its limit;
 - ``grid``: batchserve (adaptive) and each peer at its best setting, at every rate;
-- ``overload``: each server at twice its own knee.
+- ``overload``: each server at twice its own knee (twice the lowest rate if none held).
 
 Every run is merged into a results file (``--results``), so the phases, models and servers
 can be measured one invocation at a time (each under the bench lock, a few minutes long) and
