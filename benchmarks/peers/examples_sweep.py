@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -304,7 +305,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of a peer")
     parser.add_argument("--venvs", type=Path, default=VENVS)
     parser.add_argument("--ready-timeout", type=float, default=300.0)
-    parser.add_argument("--log", type=Path, default=Path("examples_sweep.log"))
+    parser.add_argument("--log", type=Path, help="the servers' output (appended)",
+                        default=Path(tempfile.gettempdir()) / "examples_sweep.log")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--doc", type=Path, help="replace the examples block of this page")
     args = parser.parse_args(argv)
