@@ -90,7 +90,7 @@ class Model:
 
 MODELS = {
     "resnet": Model("resnet", (3.0, 8.0, 14.0, 20.0), 8.0, 1, (4, 8, 16)),
-    "encoder": Model("encoder", (30.0, 120.0, 240.0), 120.0, 64, (512, 1024, 2048)),
+    "encoder": Model("encoder", (30.0, 120.0, 240.0), 60.0, 64, (512, 1024, 2048)),
 }
 
 
@@ -295,21 +295,23 @@ def config_with(model: Model, checked: Checked, folder: Path) -> Path:
 
 def check(model: Model, checked: Checked, args: argparse.Namespace,
           runner: asyncio.Runner) -> Checked:
-    """The live sweep at the plan's setting, upwards until two rates in a row fail."""
+    """The live sweep at the plan's setting, upwards until two rates in a row fail, and at
+    the target whatever happens."""
     folder = args.logs / f"plan-{model.name}"
     folder.mkdir(parents=True)
     run_args = argparse.Namespace(**vars(args), config=config_with(model, checked, folder))
     rates = sorted({round(share * checked.planned_knee, 1) for share in SWEEP} | {model.target})
     runs: list[Run] = []
-    previous = 0.0
+    previous, stopped = 0.0, False
     with serve(run_args, folder / "server.log", cwd=ROOT, extra=NO_GRPC) as (base, pid):
         drive = Driver(runner, base, model, limit_ms(CONFIG, model.name), args.tokens)
         drive.run(model.rates[0], args.warmup_seconds, seed=999)
         before, machine_before, began = tree_cpu(pid), machine_cpu_s(), time.monotonic()
         for rate in rates:
+            if stopped and rate != model.target:
+                continue  # past two failures in a row, only the target is still run
             passed = trial(drive, rate, args.seconds, runs)
-            if not passed and rate > model.target and not verdicts(runs).get(previous, True):
-                break
+            stopped = stopped or (not passed and not verdicts(runs).get(previous, True))
             previous = rate
         server_s = cpu_between(before, tree_cpu(pid)).seconds
         machine_s, elapsed = machine_cpu_s() - machine_before, time.monotonic() - began
