@@ -183,14 +183,16 @@ CAPACITY_SMOOTHING_S = 5.0
 """The capacity gauge averages its readings over about this long."""
 
 BATCH_LOG_ENV = "BATCHSERVE_BATCH_LOG"
-BATCH_LOG_HEADER = "rows,wall_s,cpu_s\n"
+BATCH_LOG_HEADER = "rows,wall_s,cpu_s,predicted_s\n"
 
 
 def open_batch_log(runner: str) -> TextIO | None:
     """`$BATCHSERVE_BATCH_LOG/<runner>-<pid>.csv` when that folder is named, else None.
 
     One line per batch (rows, wall and CPU seconds): what the simulator replays
-    (`cost: {replay: FILE}`) to meet the batch times of a real machine.
+    (`cost: {replay: FILE}`) to meet the batch times of a real machine; and the high-quantile
+    time the latency model predicted for it, so a batch's time can be set beside its
+    prediction by size (`benchmarks.model_table`).
     """
     folder = os.environ.get(BATCH_LOG_ENV)
     if not folder:
@@ -258,7 +260,8 @@ class RunnerMetrics:
         for request in batch.requests:
             observe(max(0.0, started - request.arrival))
         if self._log is not None:
-            self._log.write(f"{batch.rows},{finished - started:.7f},{cpu_s:.7f}\n")
+            self._log.write(f"{batch.rows},{finished - started:.7f},{cpu_s:.7f},"
+                            f"{batch.predicted_s:.7f}\n")
 
     def close(self) -> None:
         self.flush()

@@ -223,6 +223,23 @@ def test_a_model_that_waits_is_measured_in_wall_time() -> None:
     assert fit.stretch == pytest.approx(1.0)
 
 
+def test_contention_while_calibrating_sets_neither_the_stretch_nor_the_tail() -> None:
+    """Timed while other runners calibrate on the same cores, some calibration batches take
+    several times their CPU time; the server then serves on cores of its own."""
+    rng = random.Random(11)
+    model = LatencyModel()
+    timings = []
+    for i, rows in enumerate((1, 2, 4, 8, 16) * 2):
+        cpu = batch_time(rows, rng)
+        timings.append(Timing(rows, cpu * (3.5 if i % 3 == 0 else 1.2), cpu))
+    model.calibrate(timings)
+    fit = refit(model)
+    assert model.cpu_bound
+    assert fit.stretch == pytest.approx(1.0, rel=0.1)
+    assert fit.factor < 1.5
+    assert fit.high(1) < 1.5 * (INTERCEPT_S + SLOPE_S)
+
+
 def test_the_tail_factor_covers_a_heavy_tail_the_mad_would_miss() -> None:
     rng = random.Random(10)
     model = calibrated(rng)

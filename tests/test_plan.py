@@ -225,6 +225,30 @@ def test_the_command_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert report["cost"] == "CPU 1 ms + 0.05 ms/row, noise 0.1"
 
 
+def test_a_runner_of_ragged_inputs_is_planned_in_elements(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its batches are counted and capped in elements (`max_batch_elements`), so are the
+    plan's, by default, and a request's rows are its sequence's elements."""
+    config = tmp_path / "encoder.yml"
+    config.write_text(ENCODER)
+    code, out, _ = run(["--fit", "5,0.05", "--config", str(config), "--rate", "100",
+                        "--rows", "64", "--processes", "1", "--cores", "2", "--json"], capsys)
+    assert code == 0
+    assert [s["max_batch_size"] for s in json.loads(out)["settings"]] == [2048]
+
+
+ENCODER = """
+runners:
+  encoder:
+    model: batchserve.runner.encoder:Encoder
+    batching: {max_batch_size: 32, max_batch_elements: 2048, max_latency_ms: 100}
+    inputs: [{name: tokens, datatype: INT64, shape: [-1], ragged: true}]
+    batch_inputs: [{kind: accumulated_element_count, name: offsets, source: tokens}]
+    outputs: [{name: embedding, datatype: FP32, shape: [-1, 256]}]
+"""
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--fit", "1,0.05"], "give the traffic (--rate, --phases or --arrivals) or --target"),
     (["--fit", "1", "--rate", "100"], "--fit has value '1'; it must be 2 numbers at least 0"),

@@ -314,6 +314,16 @@ def test_replay_samples_recorded_batches_of_the_nearest_row_count(tmp_path: Path
     assert {round(wall, 12) for _, wall, _ in spy.completed} == {0.004, 0.006}
 
 
+def test_a_log_with_the_predicted_column_replays_as_one_without(tmp_path: Path) -> None:
+    """A live runner's log also holds each batch's prediction, which a replay leaves aside."""
+    predicted = "rows,wall_s,cpu_s,predicted_s\n1,0.002,0.001,0.004\n1,0.003,0.001,0.004\n" \
+        "4,0.010,0.004,0.012\n"
+    (tmp_path / "three.csv").write_text(RECORDED)
+    (tmp_path / "four.csv").write_text(predicted)
+    three, four = (load_recording(tmp_path / name) for name in ("three.csv", "four.csv"))
+    assert replace(three, path="") == replace(four, path="")
+
+
 def test_replay_paths_are_relative_to_the_scenario_file(tmp_path: Path) -> None:
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "log.csv").write_text(RECORDED)

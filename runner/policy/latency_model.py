@@ -204,7 +204,8 @@ class LatencyModel:
 
     def calibrate(self, timings: Sequence[Timing]) -> None:
         """Batches (rows, wall, CPU seconds) timed before any traffic: they choose the unit
-        of the cost curve, anchor its shape, and are the stretch's first samples."""
+        of the cost curve, anchor its shape, and are the stretch's first samples, at their
+        cost (a stretch of 1) rather than their wall time."""
         shares = sorted(cpu / wall for _, wall, cpu in timings if wall > 0.0)
         self.cpu_bound = not shares or shares[len(shares) // 2] >= 0.5
         self.calibration = [(n, cpu if self.cpu_bound else wall) for n, wall, cpu in timings]
@@ -213,8 +214,11 @@ class LatencyModel:
             millis = np.asarray([seconds for _, seconds in self.calibration]) * 1000.0
             intercept, slope, _ = _line(rows, millis, np.ones_like(rows))
             self.first = Fit(intercept_s=intercept / 1000.0, slope_s=slope / 1000.0)
+        # The stretch starts at 1, from the calibration's cost: its wall times were taken while
+        # the server's other runners calibrate too, and with their models on the same cores a
+        # ResNet's read up to 3.5 times its CPU time, a tail that outlived hundreds of batches.
         self.recent.clear()
-        self.recent.extend((n, wall) for n, wall, _ in timings)
+        self.recent.extend(self.calibration)
 
     def idle_cost(self, rows: int) -> float:
         """What a batch of `rows` takes on an idle machine: the fit's `cost`, but never more

@@ -195,13 +195,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seconds", type=float, default=2.0,
                         help="simulated seconds of each point for --rate (default: %(default)s)")
     parser.add_argument("--rows", type=int, default=1,
-                        help="rows per request (default: %(default)s)")
+                        help="rows per request, or elements for a runner of ragged or pad "
+                             "inputs (default: %(default)s)")
     parser.add_argument("--target", type=float,
                         help="the rate to carry (default: the traffic's mean rate)")
     parser.add_argument("--processes", default="1,2,4", metavar="K1,K2,...",
                         help="numbers of runner processes to try (default: %(default)s)")
     parser.add_argument("--max-batch-sizes", metavar="M1,M2,...",
-                        help="default: the runner's max_batch_size")
+                        help="batch caps, in elements for a runner of ragged or pad inputs "
+                             "(default: the runner's max_batch_size, or max_batch_elements)")
     machine = parser.add_argument_group("the machine")
     machine.add_argument("--cores", type=int, default=max(1, int(usable_cores())),
                          help="cores the server runs on (default: this process's, within its "
@@ -297,7 +299,7 @@ def inputs(args: argparse.Namespace) -> tuple[Inputs, list[Setting], float, Runn
     traffic = _traffic(args)
     target = traffic.mean_rate if args.target is None else args.target
     sizes = (_positive_ints(args.max_batch_sizes, "--max-batch-sizes")
-             if args.max_batch_sizes else [runner.batching.max_batch_size])
+             if args.max_batch_sizes else [runner.max_cost])
     settings = [Setting(k, m) for k in _positive_ints(args.processes, "--processes")
                 for m in sizes]
     made = Inputs(_cost(args, runner.name), machine, traffic, limit, args.seed)

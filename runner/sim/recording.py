@@ -1,7 +1,8 @@
 """Batch times recorded on a live runner, for the simulator to replay (`cost: {replay: FILE}`).
 
 A live runner started with `BATCHSERVE_BATCH_LOG=DIR` writes one CSV line per batch, header
-`rows,wall_s,cpu_s` (`batchserve.runner.metrics.open_batch_log`). A `Recording` holds such a
+`rows,wall_s,cpu_s,predicted_s` (`batchserve.runner.metrics.open_batch_log`); a replay reads
+the first three columns, so a log without the prediction replays alike. A `Recording` holds such a
 file grouped by row count and answers one question: what might a batch of `n` rows take here?
 
 The rule (docs/dispatcher.md, "The simulator"): draw one recorded batch, uniformly, among those
@@ -79,7 +80,7 @@ def load_recording(path: str | Path) -> Recording:
             lines = list(csv.reader(handle))
     except OSError as exc:
         raise RecordingError(f"cannot read {str(path)!r}: {exc.strerror}") from exc
-    if not lines or tuple(field.strip() for field in lines[0]) != HEADER:
+    if not lines or tuple(field.strip() for field in lines[0][:len(HEADER)]) != HEADER:
         raise RecordingError(f"{str(path)!r} must start with the header {','.join(HEADER)}")
     groups: dict[int, list[tuple[float, float]]] = {}
     for number, line in enumerate(lines[1:], start=2):
