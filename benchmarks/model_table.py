@@ -48,6 +48,7 @@ from batchserve.api.bench.loadgen import loop_factory, run_load
 from batchserve.api.bench.scrape import fetch
 from batchserve.api.bench.server import batchserve_command, serve
 from batchserve.runner.sim.plan_cli import BATCH_MS, INTERCEPT, SLOPE
+from benchmarks.live_report import num
 from benchmarks.live_table import replace_block
 from benchmarks.model_fit import Logged, SizeRow, by_size, markdown, parse
 
@@ -197,7 +198,7 @@ class Driver:
                                         slo_ms=self.limit_ms))
         run = Run(rate, load, self.limit_ms)
         print(f"  {rate:g} req/s: sent {load.sent}, non-OK {100 * run.non_ok:.2f}%, "
-              f"p99 {_ms(load.ok_p99_ms)} ms, refused {load.retry_after_by_reason}",
+              f"p99 {num(load.ok_p99_ms, 0)} ms, refused {load.retry_after_by_reason}",
               file=sys.stderr, flush=True)
         return run
 
@@ -351,14 +352,10 @@ def plan_markdown(checks: Sequence[Checked]) -> str:
         ok = within(c.planned_knee, live_knee) and within(c.planned_goodput, live_good)
         lines.append(
             f"| {c.model} | {c.target:g} | {c.processes}, {c.cap} | {c.planned_knee:,.1f} | "
-            f"{_rate(live_knee)} | {_ratio(knee_ratio)} | {c.planned_goodput:,.1f} | "
-            f"{_rate(live_good)} | {_ratio(good_ratio)} | {'yes' if ok else '**no**'} | "
+            f"{_rate(live_knee)} | {num(knee_ratio, 2)} | {c.planned_goodput:,.1f} | "
+            f"{_rate(live_good)} | {num(good_ratio, 2)} | {'yes' if ok else '**no**'} | "
             f"{c.planned_busy:.2f}, {c.busy_cores:.2f} |")
     return "\n".join(lines)
-
-
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 def sweep_markdown(checks: Sequence[Checked]) -> str:
@@ -367,13 +364,9 @@ def sweep_markdown(checks: Sequence[Checked]) -> str:
     for c in checks:
         for r in c.runs:
             lines.append(f"| {c.model} | {r.rate:g} | {r.load.sent} | {100 * r.non_ok:.2f} | "
-                         f"{_ms(r.load.ok_p50_ms)} | {_ms(r.load.ok_p99_ms)} | "
+                         f"{num(r.load.ok_p50_ms, 0)} | {num(r.load.ok_p99_ms, 0)} | "
                          f"{r.load.goodput:.1f} | {'yes' if r.passed else 'no'} |")
     return "\n".join(lines)
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
 
 
 def fit_summary(fits: Sequence[Fitted]) -> str:
