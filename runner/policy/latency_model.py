@@ -163,6 +163,8 @@ class LatencyModel:
         self.samples: deque[tuple[int, float]] = deque(maxlen=tuning.sample_window)
         self.recent: deque[tuple[int, float]] = deque(maxlen=tuning.stretch_window)
         self.calibration: list[tuple[int, float]] = []
+        self._seeds = 0
+        """The calibration's samples still at the front of `recent` (see `_seeded`)."""
         self.cpu_bound = True
         self.quantile_k = tuning.quantile_k
         self.fit = Fit()
@@ -184,6 +186,7 @@ class LatencyModel:
         spent = cpu_s if self.cpu_bound else wall_s
         self.samples.append((rows, spent))
         self.recent.append((rows, wall_s))
+        self._seeded()
         fit = self.fit
         if not fit.samples:
             return False
@@ -196,7 +199,18 @@ class LatencyModel:
         wall = self._stretch_shifts.observe(wall_s / max(fit.mean(rows), 1e-9), fit.factor)
         if wall is not None:
             self._restart(self.recent)
+            self._seeds = 0
         return cost is not None or wall is not None
+
+    def _seeded(self) -> None:
+        """Drop the calibration's samples from the stretch's window once live batches alone
+        hold a 99th percentile (`Tuning.tail_samples`): timed while the server's other runners
+        calibrated on the same cores, a few of them cost twice the line, and among a few
+        hundred steady batches those few would be the tail that every promise is made with."""
+        if self._seeds and len(self.recent) - self._seeds >= self.tuning.tail_samples:
+            for _ in range(self._seeds):
+                self.recent.popleft()
+            self._seeds = 0
 
     def _restart(self, samples: deque[tuple[int, float]]) -> None:
         while len(samples) > self.tuning.shift_run:
@@ -219,6 +233,7 @@ class LatencyModel:
         # ResNet's read up to 3.5 times its CPU time, a tail that outlived hundreds of batches.
         self.recent.clear()
         self.recent.extend(self.calibration)
+        self._seeds = len(self.calibration)
 
     def idle_cost(self, rows: int) -> float:
         """What a batch of `rows` takes on an idle machine: the fit's `cost`, but never more
