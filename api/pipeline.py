@@ -67,6 +67,10 @@ pipeline_wasted_rows = Counter(
     ["pipeline", "step", "runner"],
 )
 
+_NOT_LOAD = frozenset({"draining", "unreachable"})
+"""The 503 reasons of a step that say nothing of the chain's load: its process stopping,
+restarting or out of reach. The next request may find another process, or this one back."""
+
 
 class Host(Protocol):
     """The exchange a chain answers through: its one answer, outputs or an error."""
@@ -239,6 +243,8 @@ class Chain:
             exc.args = (exc.message,)
             if exc.status == 503:
                 count_refusal(name, self.index, step.runner)
-                # The entrance turns away the share its steps refuse, before any step runs.
-                self.route.gates[name].refused(time.monotonic())
+                if getattr(exc, "reason", "") not in _NOT_LOAD:
+                    # The entrance turns away the share its steps refuse for want of time,
+                    # before any step runs.
+                    self.route.gates[name].refused(time.monotonic())
         self.host.fail(exc)

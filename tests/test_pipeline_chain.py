@@ -183,6 +183,24 @@ def test_each_step_refusal_raises_the_share_the_pipeline_turns_away_at_its_entra
     assert gates["chain"].share == pytest.approx(1 - (1 - step) ** 10)
 
 
+def test_a_step_whose_process_is_down_or_draining_leaves_the_entrance_open(
+        pools: dict[str, StubPool], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a step short of time says the chain is offered more than it carries: a step's
+    process restarting or draining answers 503 too, and another process, or the same one
+    restarted, takes the next request, so the entrance must not turn it away."""
+    monkeypatch.setattr("batchserve.api.pipeline.time.monotonic", lambda: 5.0)
+    gates = {name: Gate() for name in (*pools, "chain")}
+    chained = route(pools, gates)
+    for ident in range(10):
+        host = Host()
+        chained.chain(host).start({"x": np.ones((1, 2), np.float32)}, 1, deadline=math.inf)
+        pools["first"].sent.pop()[3]({"y": np.ones((1, 2), np.float32)})
+        pools["second"].sent.pop()[3](
+            RunnerFailure(Failure(ident, FailureCode.STOPPING, "stopping", 1.0)))
+        assert isinstance(host.answer, Unavailable) and host.answer.reason == "draining"
+    assert gates["chain"].share == 0.0
+
+
 def test_a_step_whose_share_of_the_deadline_is_spent_is_not_sent(
         pools: dict[str, StubPool], monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [0.0]
