@@ -240,6 +240,27 @@ def test_contention_while_calibrating_sets_neither_the_stretch_nor_the_tail() ->
     assert fit.high(1) < 1.5 * (INTERCEPT_S + SLOPE_S)
 
 
+def test_calibration_that_scattered_is_not_the_tail_once_a_few_live_batches_came() -> None:
+    """Two of fourteen calibration batches, timed while the other runners calibrated, cost
+    two and a half times the line. Read as the tail of a runner just started, they made
+    every promise two and a half batch times long, and an API worker refused one request in
+    four at 3 images a second on the backlog that runner published; once a few live batches
+    came (`Tuning.few_recent`), the tail is theirs."""
+    rng = random.Random(16)
+    model = LatencyModel()
+    timings = []
+    for i, rows in enumerate((1, 2, 4, 8, 16, 32, 64) * 2):
+        cpu = batch_time(rows, rng) * (2.5 if i in (3, 9) else 1.0)
+        timings.append(Timing(rows, cpu, cpu))
+    model.calibrate(timings)
+    refit(model)
+    for _ in range(Tuning().few_recent):
+        add(model, 8, batch_time(8, rng))
+    fit = refit(model)
+    assert fit.factor < 1.3
+    assert fit.high(8) < 1.3 * (INTERCEPT_S + SLOPE_S * 8)
+
+
 def test_calibration_that_scattered_leaves_the_tail_once_live_batches_hold_a_p99() -> None:
     """Timed while other runners calibrate on the same cores, a model on two threads spins:
     a third of its calibration batches cost two and a half times the line. Those few costs

@@ -124,6 +124,8 @@ class Snapshot:
     recent_wall_s: tuple[float, ...]
     previous: Fit
     tuning: Tuning
+    seeds: int = 0
+    """How many of the recent samples, first, are the calibration's (see `fit_samples`)."""
 
 
 class Shifts:
@@ -261,6 +263,7 @@ class LatencyModel:
             recent_wall_s=tuple(wall for _, wall in recent),
             previous=self.fit,
             tuning=self.tuning,
+            seeds=self._seeds,
         )
 
 
@@ -288,6 +291,11 @@ def fit_samples(snapshot: Snapshot) -> Fit:
         curve = np.maximum(intercept + slope * recent, 1e-9)
         stretches = np.asarray(snapshot.recent_wall_s, dtype=float) * 1000.0 / curve
         stretch, spread = _stretch(stretches, tuning, snapshot.previous)
+        # Once a few live batches came, the tail is theirs: the calibration ran while the
+        # server's other runners calibrated on the same cores, and its few outliers, read as
+        # the tail, doubled the promises of a runner just started.
+        if stretches.size - snapshot.seeds >= tuning.few_recent:
+            stretches, curve = stretches[snapshot.seeds:], curve[snapshot.seeds:]
         tail = read = _quantile(stretches, tuning.tail_quantile) / stretch
         if stretches.size <= tuning.tail_samples:
             read = snapshot.previous.tail

@@ -84,7 +84,8 @@ class Tuning:
     150 ms page fault among 0.3 ms batches made every promise 150 ms long. Until there are
     enough, the tail may rise at most `max_move`-fold above the last one read (`Fit.tail`)."""
     few_recent: int = 16
-    """With fewer recent batches than this, the spread is not allowed to fall below the last."""
+    """With fewer recent batches than this, the spread is not allowed to fall below the last;
+    with fewer live ones, the calibration's batches still count in the tail."""
     longest_overruns: int = 8
     """The longest overruns of the recent batches a fit keeps: what a batch still running far
     past its prediction (a stall) is expected to run to, from the stalls this machine has
