@@ -13,9 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-RATIO_BAND = (1 / 1.5, 1.5)
-"""Where the p99 of observed over predicted batch time must lie for the model to hold there,
-as in the live table."""
+from benchmarks.live_report import RATIO_BAND  # the live table's band: the same judgement
 
 
 class Logged(NamedTuple):
