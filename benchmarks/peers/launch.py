@@ -54,17 +54,18 @@ def check(peer: Peer, reply: object, expected: Sequence[float]) -> None:
 
 
 def wait_answer(
-    peer: Peer, url: str, body: bytes, proc: subprocess.Popen[bytes], timeout: float
+    name: str, url: str, body: bytes, proc: subprocess.Popen[bytes], timeout: float
 ) -> object:
-    """POST one row until the server answers 200 (it is then ready), it dies, or time is up."""
+    """POST `body` until the server `name` answers 200 (it is then ready), it dies, or time
+    is up."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{peer.name} exited with status {proc.returncode} before ready")
+            raise RuntimeError(f"{name} exited with status {proc.returncode} before ready")
         with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
             return ask(url, body)
         time.sleep(0.5)
-    raise RuntimeError(f"{peer.name} gave no answer within {timeout:g} s")
+    raise RuntimeError(f"{name} gave no answer within {timeout:g} s")
 
 
 @contextlib.contextmanager
@@ -81,7 +82,7 @@ def started(
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:
-        check(peer, wait_answer(peer, url, body, proc, peer.ready_timeout_s), expected)
+        check(peer, wait_answer(peer.name, url, body, proc, peer.ready_timeout_s), expected)
         yield Started(url, proc.pid, time.monotonic() - began)
     finally:
         stop(proc)

@@ -13,8 +13,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
-import urllib.error
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +21,13 @@ import orjson
 
 from batchserve.api.bench.scrape import Scrape, fetch
 from batchserve.api.bench.server import free_port
-from benchmarks.peers.launch import ask, stop
+from benchmarks.peers.launch import ask, stop, wait_answer
 from benchmarks.peers.peer import ROOT, SHIM, VENVS, make_shim
 
 TEXT = "the quick brown fox jumps over the lazy dog"
 """The one string every request classifies: nine words, ten token ids."""
 TOLERANCE = 1e-5
+READY_S = 180.0  # a fresh server's start-up, model loads included
 
 
 def v2_text(text: str = TEXT) -> bytes:
@@ -155,23 +154,11 @@ def started(kind: Kind, expected: list[float], log: Path) -> Iterator[Running]:
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        check(kind, first_answer(kind, base + kind.path, proc), expected)
+        check(kind, wait_answer(kind.name, base + kind.path, kind.body, proc, READY_S),
+              expected)
         yield Running(base, base + kind.path, proc.pid, kind)
     finally:
         stop(proc)
-
-
-def first_answer(kind: Kind, url: str, proc: subprocess.Popen[bytes],
-                 timeout_s: float = 180.0) -> object:
-    """POST the request until the server answers it (it is then ready), dies, or time is up."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{kind.name} exited with status {proc.returncode} before ready")
-        with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
-            return ask(url, kind.body)
-        time.sleep(0.5)
-    raise RuntimeError(f"{kind.name} gave no answer within {timeout_s:g} s")
 
 
 def check(kind: Kind, reply: object, expected: list[float]) -> None:
