@@ -283,6 +283,21 @@ def test_calibration_that_scattered_leaves_the_tail_once_live_batches_hold_a_p99
     assert fit.high(8) < 1.3 * (INTERCEPT_S + SLOPE_S * 8)
 
 
+def test_the_calibration_leaves_the_stretchs_window_once_a_hundred_live_batches_came() -> None:
+    """Until then it anchors the stretch (and, before a few live batches, the tail); after,
+    the window is the live batches' alone, so its median and spread are theirs."""
+    rng = random.Random(17)
+    model = calibrated(rng)  # fourteen calibration batches
+    live = Tuning().tail_samples
+    for _ in range(live - 1):
+        add(model, 8, batch_time(8, rng))
+    snapshot = model.snapshot()
+    assert snapshot.seeds == 14 and len(snapshot.recent_rows) == 14 + live - 1
+    add(model, 8, batch_time(8, rng))
+    snapshot = model.snapshot()
+    assert snapshot.seeds == 0 and snapshot.recent_rows == (8,) * live
+
+
 def test_the_tail_factor_covers_a_heavy_tail_the_mad_would_miss() -> None:
     rng = random.Random(10)
     model = calibrated(rng)
