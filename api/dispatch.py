@@ -510,7 +510,8 @@ class Pool:
     ) -> Tensors:
         """`submit`, awaited."""
         future: asyncio.Future[Tensors] = asyncio.get_running_loop().create_future()
-        self.submit(tensors, rows, budget_s, group, wait_s, functools.partial(_settle, future))
+        self.submit(tensors, rows, budget_s, group, wait_s,
+                    lambda outcome, _spare_s: _settle(future, outcome))
         return await future
 
 
@@ -525,8 +526,9 @@ def _settle(future: asyncio.Future[_T], outcome: _T | Exception) -> None:
         future.set_result(outcome)
 
 
-Done = Callable[[Tensors | Exception], None]
-"""Told a request's outputs, or the exception that stands for its failure."""
+Done = Callable[[Tensors | Exception, float], None]
+"""Told a request's outputs, or the exception that stands for its failure, and how long
+before the call's deadline the runner's batch ended (`Result.spare_s`; 0 for a failure)."""
 
 
 class _Sent:
@@ -554,16 +556,16 @@ class _Sent:
 
     def answer(self, outcome: Message | Exception) -> None:
         if isinstance(outcome, Result):
-            self.done(outcome.tensors)
+            self.done(outcome.tensors, outcome.spare_s)
         elif isinstance(outcome, Failure):
-            self.done(RunnerFailure(outcome))
+            self.done(RunnerFailure(outcome), 0.0)
         elif isinstance(outcome, NotStarted) and self._retry():
             return
         elif isinstance(outcome, Exception):
-            self.done(outcome)
+            self.done(outcome, 0.0)
         else:
             self.done(WireError(f"runner {self.pool.runner!r} answered a call with "
-                                f"{type(outcome).__name__}"))
+                                f"{type(outcome).__name__}"), 0.0)
 
     def _retry(self) -> bool:
         """Send a call no process started to another one, once, while its budget lasts."""
@@ -577,7 +579,7 @@ class _Sent:
         try:
             self.go(pool.pick(besides=link))
         except Unavailable as exc:
-            self.done(exc)
+            self.done(exc, 0.0)
         return True
 
 

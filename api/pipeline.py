@@ -78,7 +78,7 @@ class Host(Protocol):
     @property
     def done(self) -> bool: ...
 
-    def deliver(self, outputs: Tensors, rows: int) -> None: ...
+    def deliver(self, outputs: Tensors, rows: int, spare_s: float = 0.0) -> None: ...
 
     def fail(self, exc: BaseException) -> None: ...
 
@@ -203,7 +203,7 @@ class Chain:
             "predicted_ms": round(backlog.left_s(now) * 1000, 1),
             "deadline_ms": round(budget_s * 1000, 1), "rows_ahead": backlog.word.rows_ahead})
 
-    def _answered(self, outcome: Tensors | Exception) -> None:
+    def _answered(self, outcome: Tensors | Exception, spare_s: float = 0.0) -> None:
         """A step's answer: on to the next step, or the request's answer; else its error."""
         route, step = self.route, self.step
         try:
@@ -224,7 +224,8 @@ class Chain:
         if time.monotonic() > self.due:
             self._wasted()
         outputs = {spec.name: self.tensors[spec.name] for spec in route.pipeline.facade.outputs}
-        self.host.deliver(outputs, self.rows)  # the rows the last step was called with
+        # The rows the last step was called with; its deadline was the request's own.
+        self.host.deliver(outputs, self.rows, spare_s)
 
     def _wasted(self) -> None:
         """Count the rows the steps answered so far ran for nothing: the request ends

@@ -1,34 +1,43 @@
 """The time kept back from a request's limit for its answer's way home.
 
 A runner answers by the deadline it is given. The answer then crosses the wire, waits its
-turn on this worker's event loop and is encoded: under load that takes milliseconds, and in
-overload, where every admitted request is served at the edge of its deadline, it would make
-most answers late by exactly that much. So each API worker measures, per runner, how long
-after the runner's deadline its answers leave (their *overrun*), and gives later requests
-that much less time: the 99.8th percentile of the recent overruns, at most a quarter of the
-limit. It measures only on this worker's clock, so it holds for runners on other hosts too.
+turn on this worker's event loop behind the other answers of its batch and is encoded: under
+load that takes milliseconds, and a request the runner served at the edge of its deadline is
+late by exactly that much. So each API worker learns, per runner, how late each answer would
+have left had its batch ended at its deadline: how late past its deadline it left, plus how
+long before the deadline its batch ended (`Result.spare_s`, which the runner sends with it).
+That is its way home, and all of the runner's own lateness besides: every answer measures
+it, early or late, whoever's clock is ahead. Later requests get that much less time: the
+99.8th percentile of it, lately, at most a quarter of the limit.
+
+Counted only as how late answers left, the early ones, most of them, would teach nothing:
+the reserve would stay at nothing until late answers had filled the quantile, and fall back
+once they left the window, letting through the lateness it is there to prevent.
 """
 
 from __future__ import annotations
 
 from ..runner.policy.latency_model import RecentQuantile
 
-WINDOW = 2048  # overruns remembered
-EVERY = 256  # new overruns between two estimates: sorting the window costs a few µs a request
+WINDOW = 2048  # ways home remembered
+EVERY = 256  # new ones between two estimates: sorting the window costs a few µs a request
 # at 32; at 256 the estimate is still a fraction of a second old under load
 QUANTILE = 0.998
 MOST = 0.25  # of the limit, whatever is measured
 
 
 class Reserve:
-    """The recent high quantile of overruns: how much of the limit to keep back."""
+    """The recent high quantile of the answers' ways home: how much of the limit to keep
+    back."""
 
     def __init__(self) -> None:
-        self._overruns = RecentQuantile(WINDOW, EVERY, QUANTILE)
+        self._ways = RecentQuantile(WINDOW, EVERY, QUANTILE)
 
     def seconds(self, limit_s: float) -> float:
-        return min(max(0.0, self._overruns.high), MOST * limit_s)
+        return min(max(0.0, self._ways.high), MOST * limit_s)
 
-    def observe(self, overrun_s: float) -> None:
-        """How long after the runner's deadline an answer left (negative: before it)."""
-        self._overruns.add(overrun_s)
+    def answered(self, overrun_s: float, spare_s: float) -> None:
+        """An answer left `overrun_s` after the deadline the runner was given (negative:
+        before it); its batch ended `spare_s` before that deadline (negative: after it, and
+        then its overrun, the runner's lateness with it, is what counts)."""
+        self._ways.add(overrun_s + max(spare_s, 0.0))

@@ -86,7 +86,10 @@ class Reader(Protocol):
         """Read again: the model is free, and what came meanwhile is to be decided on."""
 
 
-Reply = Callable[[Tensors | Rejection], None]
+Reply = Callable[[Tensors | Rejection, float], None]
+"""Told a request's answer, and how long before its deadline its batch ended (negative:
+after; 0 for a refusal): the caller, adding how late past the deadline the answer reached
+it, learns how long answers take on their way home."""
 Started = Callable[[], None]
 """Told when a request's batch (or one of its pieces') goes to the model."""
 
@@ -674,7 +677,7 @@ class Dispatcher:
                     self._answer(request.id, Rejection(
                         FailureCode.MODEL_ERROR, f"the model failed: {piece}"))
                 else:
-                    self._answer(request.id, piece)
+                    self._answer(request.id, piece, request.deadline - outcome.finished)
         finally:
             self._pump()
         # Only a batch with an outcome comes here (a cancelled one returned, a failed one
@@ -690,19 +693,19 @@ class Dispatcher:
             self.metrics.flush()  # a scrape after the last answer counts all of it
         self._maybe_refit()
 
-    def _answer(self, ident: int, result: Tensors | Rejection) -> None:
+    def _answer(self, ident: int, result: Tensors | Rejection, spare_s: float = 0.0) -> None:
         job = self._jobs.pop(ident, None)
         if job is None:
             return
         try:
             if job.whole is None:
-                self._reply(job.reply, result)
+                self._reply(job.reply, result, spare_s)
             else:
-                self._answer_piece(job, result)
+                self._answer_piece(job, result, spare_s)
         except Exception:  # one answer that cannot be sent must not strand the others
             log.exception("runner %s: answering request %d failed", self.runner.name, ident)
 
-    def _answer_piece(self, job: _Job, result: Tensors | Rejection) -> None:
+    def _answer_piece(self, job: _Job, result: Tensors | Rejection, spare_s: float) -> None:
         whole = job.whole
         assert whole is not None
         if whole.answered:
@@ -718,9 +721,9 @@ class Dispatcher:
         if whole.missing == 0:
             whole.answered = True
             pieces = [piece for piece in whole.pieces if piece is not None]
-            whole.reply(batching.concatenate(pieces, self.runner.batch_dim[1]))
+            whole.reply(batching.concatenate(pieces, self.runner.batch_dim[1]), spare_s)
 
-    def _reply(self, reply: Reply, result: Tensors | Rejection) -> None:
+    def _reply(self, reply: Reply, result: Tensors | Rejection, spare_s: float = 0.0) -> None:
         """Send a whole request's one answer, counting it if it is a 503."""
         if isinstance(result, Rejection):
             reason = _REJECTION_REASONS.get(result.code)
@@ -728,7 +731,7 @@ class Dispatcher:
                 self.metrics.rejected(reason)
                 if not self._jobs and not self._busy:
                     self.metrics.flush()
-        reply(result)
+        reply(result, spare_s)
 
     # --- refits, off the critical path --------------------------------------------------------
 

@@ -195,12 +195,12 @@ class Connection(asyncio.BufferedProtocol):
         if self.greeting is not None and self.transport is not None:
             self._refuse(f"no Hello within {self.timeouts.hello_timeout_s:g} s")
 
-    def _reply(self, ident: int, result: Tensors | Rejection) -> None:
+    def _reply(self, ident: int, result: Tensors | Rejection, spare_s: float) -> None:
         if isinstance(result, Rejection):
             self._send(Failure(ident, result.code, result.message, result.retry_after_s,
                                result.predicted_s, result.deadline_s, result.rows_ahead))
         else:
-            self._send(Result(ident, result))
+            self._send(Result(ident, result, spare_s))
 
     def _started(self, ident: int) -> None:
         """Gather the calls a batch starts into one Started frame, written with whatever

@@ -11,10 +11,19 @@ import numpy as np
 import pytest
 
 from batchserve.api.choice import least_loaded_of_two
-from batchserve.api.dispatch import Link, Pool
+from batchserve.api.dispatch import Link, Pool, RunnerFailure
 from batchserve.api.errors import Unavailable
 from batchserve.runner.core.config import Choice
-from batchserve.runner.core.wire import Address, Call, Failure, Outbox, Result, Started, encode
+from batchserve.runner.core.wire import (
+    Address,
+    Call,
+    Failure,
+    FailureCode,
+    Outbox,
+    Result,
+    Started,
+    encode,
+)
 
 
 class FakeTransport:
@@ -132,13 +141,30 @@ def two_linked() -> Pool:
     return pool
 
 
+def test_a_caller_is_told_how_long_before_its_deadline_the_runners_batch_ended() -> None:
+    async def scenario() -> list[tuple[object, float]]:
+        pool, told = two_linked(), []
+        for _ in range(2):
+            pool.submit({}, 1, 5.0, (), 1.0, lambda outcome, spare_s: told.append(
+                (outcome, spare_s)))
+        calls = [(link, ident) for link in pool.links for ident in list(link.pending)]
+        (link, ident), (other, refused) = calls
+        hear(link, Result(ident, {"y": np.ones(1)}, 0.0125))
+        hear(other, Failure(refused, FailureCode.REFUSED, "too late", 0.5))
+        return told
+
+    (answer, spare_s), (failure, no_spare_s) = asyncio.run(scenario())
+    assert list(answer) == ["y"] and spare_s == 0.0125  # type: ignore[call-overload]
+    assert isinstance(failure, RunnerFailure) and no_spare_s == 0.0
+
+
 @pytest.mark.parametrize("started", [False, True])
 def test_a_call_no_process_started_goes_once_to_another_and_a_started_one_never(
     started: bool,
 ) -> None:
     async def scenario() -> list[object]:
         pool, outcomes = two_linked(), []
-        pool.submit({}, 1, 5.0, (), 1.0, outcomes.append)
+        pool.submit({}, 1, 5.0, (), 1.0, lambda outcome, _spare_s: outcomes.append(outcome))
         first = next(link for link in pool.links if link.pending)
         other = next(link for link in pool.links if link is not first)
         (ident,) = first.pending

@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 from batchserve.runner.core.config import BatchInput, RunnerConfig, TensorSpec
 from batchserve.runner.core.types import Tensors
 from batchserve.runner.core.wire import FailureCode
-from batchserve.runner.dispatcher import Dispatcher, Rejection
+from batchserve.runner.dispatcher import Dispatcher, Rejection, Reply
 from batchserve.runner.metrics import RunnerMetrics
 from batchserve.runner.models import Model
 from batchserve.runner.policy.adaptive import AdaptivePolicy
@@ -88,12 +88,17 @@ def dispatcher(model: Callable[..., object], policy: Policy | None = None,
                       clock=clock)
 
 
+def settle(future: asyncio.Future[Tensors | Rejection]) -> Reply:
+    """A reply that puts the answer in `future`, the spare time aside."""
+    return lambda result, _spare_s: future.set_result(result)
+
+
 def send(d: Dispatcher, x: np.ndarray, budget: float = 10.0,
          started: Callable[[], None] | None = None, spent: float = 0.0
          ) -> asyncio.Future[Tensors | Rejection]:
     """Submit `x` now; the future holds its one answer."""
     future: asyncio.Future[Tensors | Rejection] = asyncio.get_running_loop().create_future()
-    d.submit({"x": x}, len(x), budget, future.set_result, started, spent_s=spent)
+    d.submit({"x": x}, len(x), budget, settle(future), started, spent_s=spent)
     return future
 
 
@@ -176,6 +181,29 @@ async def test_a_request_whose_deadline_passes_in_the_queue_is_expired_unrun(
     assert not isinstance(await held, Rejection)
     assert not isinstance(await on_time, Rejection)
     assert gate.batches == [1, 1]
+
+
+async def test_each_answer_says_how_long_before_its_deadline_its_batch_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = fake_clock(monkeypatch)
+
+    def model(x: np.ndarray) -> np.ndarray:  # 30 ms a batch, on the fake clock
+        clock.now += 0.030
+        return x * 2
+
+    d = dispatcher(model, clock=clock, max_batch_size=4)
+    await d.start()
+
+    async def spare(x: np.ndarray, budget: float) -> float:
+        told: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        d.submit({"x": x}, len(x), budget, lambda _result, spare_s: told.set_result(spare_s))
+        return await told
+
+    assert await spare(rows(1), 0.100) == pytest.approx(0.070)
+    assert await spare(rows(1), 0.010) == pytest.approx(-0.020)  # it ended 20 ms late
+    # Cut in two pieces (4 rows, then 2), one batch each: it ends with the second.
+    assert await spare(rows(6), 0.100) == pytest.approx(0.040)
 
 
 class Refuser(GreedyPolicy):
@@ -457,7 +485,7 @@ def send_sequence(d: Dispatcher, length: int, budget: float = 10.0,
                   ) -> asyncio.Future[Tensors | Rejection]:
     """Submit one ragged request of `length` ones: one row."""
     future: asyncio.Future[Tensors | Rejection] = asyncio.get_running_loop().create_future()
-    d.submit({"tokens": np.ones(length, np.int64)}, 1, budget, future.set_result, started,
+    d.submit({"tokens": np.ones(length, np.int64)}, 1, budget, settle(future), started,
              spent_s=spent)
     return future
 

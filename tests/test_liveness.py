@@ -234,12 +234,13 @@ async def test_an_answer_that_cannot_be_sent_strands_no_other() -> None:
     loop = asyncio.get_running_loop()
     futures = [loop.create_future() for _ in range(4)]
 
-    def broken(result: Tensors | Rejection) -> None:
+    def broken(result: Tensors | Rejection, spare_s: float) -> None:
         raise OSError("the connection is gone")
 
     d.submit({"x": rows(1)}, 1, 10.0, broken)
     for i, future in enumerate(futures):
-        d.submit({"x": rows(1, i)}, 1, 10.0, future.set_result)
+        d.submit({"x": rows(1, i)}, 1, 10.0,
+                 lambda result, _spare_s, f=future: f.set_result(result))
     gate.open.set()
     answers = await asyncio.gather(*futures)
     assert all(not isinstance(a, Rejection) for a in answers)

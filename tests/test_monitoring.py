@@ -27,6 +27,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from batchserve.api.reserve import EVERY
 from tests.conftest import ROOT, Server, wait_for
 from tests.test_prometheus import free_port, query
 
@@ -240,6 +241,24 @@ def test_gauges_are_true_at_scrape_time_and_the_page_passes_promtool(
 # --- Prometheus with the shipped configuration -------------------------------------------------
 
 SHORT_WINDOWS = {"1m": "5s", "5m": "10s", "15m": "1m"}
+
+
+def test_an_api_worker_keeps_back_the_way_home_even_when_no_answer_was_late(
+    serve: Callable[..., Server],
+) -> None:
+    # Answers one at a time to an idle model leave long before their deadlines; still, each
+    # took some time from its batch's end to leaving the worker, and a request served at
+    # the edge of its deadline would be late by that much: the worker keeps it back.
+    server = serve(ECHO, "--api-workers", "1")
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        for _ in range(EVERY):  # enough answers for the estimate to move
+            assert client.post(INFER, json=body(1)).status_code == 200
+
+    def kept_back() -> float:
+        return total(scrape(server), "batchserve_api_reserve_seconds", runner="echo")
+
+    wait_for(lambda: kept_back() > 0.0, 15, "the way home to be kept back")
+    assert kept_back() <= 0.25 * 0.1  # at most a quarter of the limit
 
 
 def quick_rules(text: str) -> str:

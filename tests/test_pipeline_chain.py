@@ -100,7 +100,7 @@ class Host:
     done: bool = False
     answer: Any = None
 
-    def deliver(self, outputs: Tensors, rows: int) -> None:
+    def deliver(self, outputs: Tensors, rows: int, spare_s: float = 0.0) -> None:
         self.done, self.answer = True, (outputs, rows)
 
     def fail(self, exc: BaseException) -> None:

@@ -1,4 +1,4 @@
-"""The time kept back for an answer's way home follows the recent overruns, within bounds."""
+"""The time kept back for an answer's way home follows the recent ways home, within bounds."""
 
 from __future__ import annotations
 
@@ -9,27 +9,43 @@ import pytest
 from batchserve.api.reserve import EVERY, MOST, WINDOW, Reserve
 
 
-def test_nothing_is_kept_back_until_answers_overrun() -> None:
+def test_answers_that_all_left_early_still_teach_the_way_home() -> None:
     reserve = Reserve()
     for _ in range(WINDOW):
-        reserve.observe(-0.010)  # answers left 10 ms before the runner's deadline
+        # Each left 10 ms before the runner's deadline, its batch having ended 12 ms before
+        # it: 2 ms on the way home, which a request served at the edge would be late by.
+        reserve.answered(-0.010, 0.012)
+    assert reserve.seconds(0.050) == pytest.approx(0.002)
+
+
+def test_nothing_is_kept_back_for_answers_that_take_no_time_home() -> None:
+    reserve = Reserve()
+    for _ in range(WINDOW):
+        reserve.answered(-0.010, 0.010)
     assert reserve.seconds(0.050) == 0.0
 
 
-def test_the_reserve_is_the_99_8th_percentile_of_recent_overruns_at_most_a_quarter() -> None:
+def test_a_batch_that_ended_late_counts_with_its_lateness() -> None:
     reserve = Reserve()
-    overruns = [0.001] * (WINDOW - 8) + [0.004] * 8  # 0.4% of answers 4 ms late, the rest 1 ms
-    for overrun in overruns:
-        reserve.observe(overrun)
+    for _ in range(WINDOW):
+        reserve.answered(0.004, -0.003)  # the batch ended 3 ms late; its answer left 4 ms late
+    assert reserve.seconds(0.050) == pytest.approx(0.004)
+
+
+def test_the_reserve_is_the_99_8th_percentile_of_recent_ways_home_at_most_a_quarter() -> None:
+    reserve = Reserve()
+    ways = [0.001] * (WINDOW - 8) + [0.004] * 8  # 0.4% of answers 4 ms home, the rest 1 ms
+    for way in ways:
+        reserve.answered(way, 0.0)
     assert reserve.seconds(0.050) == pytest.approx(0.004)
     assert reserve.seconds(0.010) == pytest.approx(MOST * 0.010)  # never more than a quarter
-    for overrun in [0.001] * (WINDOW - 2) + [0.004] * 2:  # 0.1% late: within the quantile
-        reserve.observe(overrun)
+    for way in [0.001] * (WINDOW - 2) + [0.004] * 2:  # 0.1% of them: within the quantile
+        reserve.answered(way, 0.0)
     assert reserve.seconds(0.050) == pytest.approx(0.001)
 
 
 LIMIT_S = 1e6
-"""A limit whose quarter stays far above every overrun below, out of the way."""
+"""A limit whose quarter stays far above every way home below, out of the way."""
 
 
 def test_the_estimate_moves_every_few_answers_and_forgets_old_ones() -> None:
@@ -40,16 +56,16 @@ def test_the_estimate_moves_every_few_answers_and_forgets_old_ones() -> None:
     answers = EVERY * (WINDOW // EVERY + 2)  # past a full window, ending on a re-estimate
     estimates = [reserve.seconds(LIMIT_S)]
     for n in range(1, answers + 1):
-        reserve.observe(n * 1e-6)  # each later than the last: each re-estimate is higher
+        reserve.answered(n * 1e-6, 0.0)  # each longer than the last: each estimate is higher
         estimates.append(reserve.seconds(LIMIT_S))
     moved = [n for n in range(1, answers + 1) if estimates[n] != estimates[n - 1]]
     assert moved == list(range(EVERY, answers + 1, EVERY))
     assert estimates[EVERY - 1] == 0.0 and estimates[EVERY] > 0.0
 
     for _ in range(WINDOW - EVERY):
-        reserve.observe(0.0)  # answers on time
-    assert reserve.seconds(LIMIT_S) > 0.0  # the late answers still in the window count
+        reserve.answered(0.0, 0.0)  # answers with no way home
+    assert reserve.seconds(LIMIT_S) > 0.0  # the long ways home still in the window count
     on_time = EVERY * math.ceil(WINDOW / EVERY)  # a window of them, ending on a re-estimate
     for _ in range(on_time - (WINDOW - EVERY)):
-        reserve.observe(0.0)
-    assert reserve.seconds(LIMIT_S) == 0.0  # the late answers are forgotten
+        reserve.answered(0.0, 0.0)
+    assert reserve.seconds(LIMIT_S) == 0.0  # the long ways home are forgotten

@@ -61,6 +61,13 @@ def test_tensor_data_is_aligned_and_writable() -> None:
     array[0, 0] = 2.0  # torch.from_numpy needs writable memory
 
 
+def test_a_result_says_how_long_before_its_deadline_its_batch_ended() -> None:
+    for spare_s in (0.0123, -0.004):  # early, and late
+        result = round_trip(Result(4, {"y": np.ones(2, np.float32)}, spare_s))
+        assert isinstance(result, Result) and result.spare_s == spare_s
+        assert result.tensors["y"].ctypes.data % 8 == 0  # still aligned behind the longer head
+
+
 def test_non_contiguous_arrays_are_sent_in_row_major_order() -> None:
     array = np.arange(12, dtype=np.int32).reshape(3, 4).T
     result = round_trip(Result(2, {"t": array}))

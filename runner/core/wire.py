@@ -11,7 +11,7 @@ names a unix socket or a TCP endpoint (optionally under TLS) on another host.
                | u8 groups
                | (u16 length | utf-8)[groups]
                | tensor*                                         (API -> runner)
-    Result  := u16 count | tensor*                                  (runner -> API)
+    Result  := f64 spare_s | u16 count | tensor*                    (runner -> API)
     Failure := u8 code | f64 retry_after_s | f64 predicted_s | f64 deadline_s
                | u32 rows_ahead | utf-8 text                       (runner -> API)
     Started := u32 count | u64 call_ids[count]                      (runner -> API; id 0)
@@ -55,7 +55,7 @@ _LENGTH = struct.Struct("<I")
 _HEAD = struct.Struct("<BQ")
 _CALL = struct.Struct("<ddddIHB")
 _GROUP_VALUE = struct.Struct("<H")
-_COUNT = struct.Struct("<H")
+_RESULT = struct.Struct("<dH")
 _FAILURE = struct.Struct("<BdddI")
 _STARTED = struct.Struct("<I")
 _BACKLOG = struct.Struct("<ddddI")
@@ -67,7 +67,7 @@ NONCE_BYTES = 32
 # 2: the Call frame carries its row count; 3: and its group; 4: and its spent time;
 # 5: a Failure carries the prediction a refusal was made on; 6: a Call carries its API
 # worker's cost; 7: a Call carries when it was sent, and a runner publishes its Backlog
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 _DTYPES = list(DATATYPES.values())
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 MAX_FRAME = 1 << 31
@@ -133,8 +133,13 @@ class Call:
 
 @dataclass(frozen=True, slots=True)
 class Result:
+    """A call's outputs, and how long before the call's deadline its batch ended (`spare_s`,
+    on the runner's clock; negative: after). The caller adds how late past its own deadline
+    the answer left it: the sum is the answer's way home, whoever's clock is ahead."""
+
     id: int
     tensors: Tensors
+    spare_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,7 +293,8 @@ def encode(message: Message) -> Chunks:
         ) + _group_bytes(message.group)
         size = _tensors_chunks(message.tensors, len(head), out)
     elif isinstance(message, Result):
-        head = _HEAD.pack(Kind.RESULT, message.id) + _COUNT.pack(len(message.tensors))
+        head = _HEAD.pack(Kind.RESULT, message.id) + _RESULT.pack(
+            message.spare_s, len(message.tensors))
         size = _tensors_chunks(message.tensors, len(head), out)
     else:
         head = _plain_head(message)
@@ -461,8 +467,8 @@ def decode(body: bytearray) -> Message:
             return Call(ident, budget, rows, _read_tensors(body, offset, count), group, spent,
                         front, sent)
         if kind == Kind.RESULT:
-            (count,) = _COUNT.unpack_from(body, offset)
-            return Result(ident, _read_tensors(body, offset + _COUNT.size, count))
+            spare, count = _RESULT.unpack_from(body, offset)
+            return Result(ident, _read_tensors(body, offset + _RESULT.size, count), spare)
         if kind == Kind.FAILURE:
             code, retry, predicted, deadline, ahead = _FAILURE.unpack_from(body, offset)
             text = bytes(body[offset + _FAILURE.size :]).decode(errors="replace")
