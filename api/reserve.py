@@ -8,7 +8,11 @@ have left had its batch ended at its deadline: how late past its deadline it lef
 long before the deadline its batch ended (`Result.spare_s`, which the runner sends with it).
 That is its way home, and all of the runner's own lateness besides: every answer measures
 it, early or late, whoever's clock is ahead. Later requests get that much less time: the
-99.8th percentile of it, lately, at most a quarter of the limit.
+99th percentile of it, lately, at most a quarter of the limit. A request is late by it only
+if it was served at the edge of its deadline and its way home was among the longest, and
+those at the edge are the oldest of their batch, answered first. A higher quantile costs
+more than it saves: on a 12 ms limit the 99.8th kept back so much that an eighth fewer
+requests were answered in time, for a few tenths of a percent less lateness.
 
 Counted only as how late answers left, the early ones, most of them, would teach nothing:
 the reserve would stay at nothing until late answers had filled the quantile, and fall back
@@ -22,7 +26,7 @@ from ..runner.policy.latency_model import RecentQuantile
 WINDOW = 2048  # ways home remembered
 EVERY = 256  # new ones between two estimates: sorting the window costs a few µs a request
 # at 32; at 256 the estimate is still a fraction of a second old under load
-QUANTILE = 0.998
+QUANTILE = 0.99
 MOST = 0.25  # of the limit, whatever is measured
 
 

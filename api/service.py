@@ -110,7 +110,7 @@ processes_configured = Gauge(
 reserve_seconds = Gauge(
     "batchserve_api_reserve_seconds",
     "Time an API worker keeps back from a model's limit for its answers' way home: how late "
-    "they would have left had their batches ended at their deadlines, lately (99.8th "
+    "they would have left had their batches ended at their deadlines, lately (99th "
     "percentile), at most a quarter of the limit",
     ["runner"], multiprocess_mode="liveall",
 )

@@ -436,8 +436,8 @@ def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
 
 class RecentQuantile:
     """The mean and a high quantile of the last `window` values, estimated again every
-    `every` new values: the idle gap between batches (the adaptive policy) and the overrun of
-    answers past their deadline (the API's reserve) are both read this way."""
+    `every` new values: the idle gap between batches (the adaptive policy) and the answers'
+    way home (the API's reserve) are both read this way."""
 
     def __init__(self, window: int, every: int, quantile: float) -> None:
         self._seen: deque[float] = deque(maxlen=window)
