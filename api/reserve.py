@@ -21,6 +21,8 @@ once they left the window, letting through the lateness it is there to prevent.
 
 from __future__ import annotations
 
+import math
+
 from ..runner.policy.latency_model import RecentQuantile
 
 WINDOW = 2048  # ways home remembered
@@ -43,5 +45,8 @@ class Reserve:
     def answered(self, overrun_s: float, spare_s: float) -> None:
         """An answer left `overrun_s` after the deadline the runner was given (negative:
         before it); its batch ended `spare_s` before that deadline (negative: after it, and
-        then its overrun, the runner's lateness with it, is what counts)."""
-        self._ways.add(overrun_s + max(spare_s, 0.0))
+        then its overrun, the runner's lateness with it, is what counts). A spare that is
+        no number (a peer's bad frame) teaches nothing."""
+        way_s = overrun_s + max(spare_s, 0.0)
+        if math.isfinite(way_s):
+            self._ways.add(way_s)

@@ -32,6 +32,15 @@ def test_a_batch_that_ended_late_counts_with_its_lateness() -> None:
     assert reserve.seconds(0.050) == pytest.approx(0.004)
 
 
+def test_a_spare_that_is_no_number_teaches_nothing() -> None:
+    reserve = Reserve()
+    for _ in range(WINDOW):
+        reserve.answered(-0.010, 0.012)
+    for spare_s in [math.nan, math.inf] * (WINDOW // 2):  # a peer's bad frames
+        reserve.answered(-0.010, spare_s)
+    assert reserve.seconds(0.050) == pytest.approx(0.002)
+
+
 def test_the_reserve_is_the_99th_percentile_of_recent_ways_home_at_most_a_quarter() -> None:
     reserve = Reserve()
     ways = [0.001] * (WINDOW - 40) + [0.004] * 40  # 2% of answers 4 ms home, the rest 1 ms

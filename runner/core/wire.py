@@ -66,7 +66,8 @@ _VERSION = struct.Struct("<H")
 NONCE_BYTES = 32
 # 2: the Call frame carries its row count; 3: and its group; 4: and its spent time;
 # 5: a Failure carries the prediction a refusal was made on; 6: a Call carries its API
-# worker's cost; 7: a Call carries when it was sent, and a runner publishes its Backlog
+# worker's cost; 7: a Call carries when it was sent, and a runner publishes its Backlog;
+# 8: a Result carries how long before its deadline its batch ended
 PROTOCOL_VERSION = 8
 _DTYPES = list(DATATYPES.values())
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
