@@ -78,7 +78,7 @@ class Host(Protocol):
     @property
     def done(self) -> bool: ...
 
-    def deliver(self, outputs: Tensors, rows: int, spare_s: float = 0.0) -> None: ...
+    def deliver(self, outputs: Tensors, rows: int, spare_s: float) -> None: ...
 
     def fail(self, exc: BaseException) -> None: ...
 
@@ -203,7 +203,7 @@ class Chain:
             "predicted_ms": round(backlog.left_s(now) * 1000, 1),
             "deadline_ms": round(budget_s * 1000, 1), "rows_ahead": backlog.word.rows_ahead})
 
-    def _answered(self, outcome: Tensors | Exception, spare_s: float = 0.0) -> None:
+    def _answered(self, outcome: Tensors | Exception, spare_s: float) -> None:
         """A step's answer: on to the next step, or the request's answer; else its error."""
         route, step = self.route, self.step
         try:

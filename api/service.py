@@ -528,7 +528,7 @@ class Exchange:
                 runner.name, protocol.cost(call, runner), unit, spent_s, limit_ms,
                 binary=rate is None)
 
-    def answered(self, outcome: Tensors | Exception, spare_s: float = 0.0) -> None:
+    def answered(self, outcome: Tensors | Exception, spare_s: float) -> None:
         """The runner's answer (or why there is none): encode it and answer the client."""
         service, runner, call = self.service, self.runner, self.call
         assert runner is not None and call is not None
@@ -540,7 +540,7 @@ class Exchange:
             return
         self.deliver(outputs, call.rows, spare_s)
 
-    def deliver(self, outputs: Tensors, rows: int, spare_s: float = 0.0) -> None:
+    def deliver(self, outputs: Tensors, rows: int, spare_s: float) -> None:
         """Encode the outputs, `rows` of them along the output batch dimension (a pipeline's
         are its last step's), and answer the client; `spare_s` is how long before its
         deadline the runner's batch ended (`batchserve.api.reserve`)."""

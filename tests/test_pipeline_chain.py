@@ -100,7 +100,7 @@ class Host:
     done: bool = False
     answer: Any = None
 
-    def deliver(self, outputs: Tensors, rows: int, spare_s: float = 0.0) -> None:
+    def deliver(self, outputs: Tensors, rows: int, spare_s: float) -> None:
         self.done, self.answer = True, (outputs, rows)
 
     def fail(self, exc: BaseException) -> None:
@@ -143,10 +143,10 @@ def test_a_step_is_sent_with_the_deadline_less_the_steps_after_it(
     assert budget_s == pytest.approx(0.100 - 0.030)
     clock[0] = 100.050  # step one answers 50 ms later: the second step gets what is left
     y = 2 * x
-    done({"y": y})
+    done({"y": y}, 0.0)
     (tensors, rows, budget_s, done), = pools["second"].sent
     assert tensors["y"] is y and budget_s == pytest.approx(0.050)
-    done({"z": 3 * x})
+    done({"z": 3 * x}, 0.0)
     outputs, rows = host.answer
     assert rows == 3 and np.array_equal(outputs["z"], 3 * x)
 
@@ -156,7 +156,7 @@ def test_a_step_refused_ends_the_request_before_the_next_is_sent(
     host = Host()
     route(pools).chain(host).start({"x": np.ones((1, 2), np.float32)}, 1, deadline=math.inf)
     (_, _, _, done), = pools["first"].sent
-    done(RunnerFailure(Failure(1, FailureCode.REFUSED, "refused", 2.0)))
+    done(RunnerFailure(Failure(1, FailureCode.REFUSED, "refused", 2.0)), 0.0)
     assert isinstance(host.answer, SloRefused) and host.answer.status == 503
     assert host.answer.message.startswith("pipeline 'chain', step 0 (runner 'first'): ")
     assert pools["second"].sent == []
@@ -172,14 +172,14 @@ def test_each_step_refusal_raises_the_share_the_pipeline_turns_away_at_its_entra
     chained = route(pools, gates)
     for ident in range(10):
         chained.chain(Host()).start({"x": np.ones((1, 2), np.float32)}, 1, deadline=math.inf)
-        pools["first"].sent.pop()[3]({"y": np.ones((1, 2), np.float32)})
+        pools["first"].sent.pop()[3]({"y": np.ones((1, 2), np.float32)}, 0.0)
         pools["second"].sent.pop()[3](
-            RunnerFailure(Failure(ident, FailureCode.REFUSED, "refused", 1.0)))
+            RunnerFailure(Failure(ident, FailureCode.REFUSED, "refused", 1.0)), 0.0)
     assert gates["chain"].share == pytest.approx(1 - (1 - step) ** 10)
     assert gates["chain"].shares(5.0) > ENGAGED  # the front sheds now
     chained.chain(Host()).start({"x": np.ones((1, 2), np.float32)}, 1, deadline=math.inf)
-    pools["first"].sent.pop()[3]({"y": np.ones((1, 2), np.float32)})
-    pools["second"].sent.pop()[3]({"z": np.ones((1, 2), np.float32)})
+    pools["first"].sent.pop()[3]({"y": np.ones((1, 2), np.float32)}, 0.0)
+    pools["second"].sent.pop()[3]({"z": np.ones((1, 2), np.float32)}, 0.0)
     assert gates["chain"].share == pytest.approx(1 - (1 - step) ** 10)
 
 
@@ -194,9 +194,9 @@ def test_a_step_whose_process_is_down_or_draining_leaves_the_entrance_open(
     for ident in range(10):
         host = Host()
         chained.chain(host).start({"x": np.ones((1, 2), np.float32)}, 1, deadline=math.inf)
-        pools["first"].sent.pop()[3]({"y": np.ones((1, 2), np.float32)})
+        pools["first"].sent.pop()[3]({"y": np.ones((1, 2), np.float32)}, 0.0)
         pools["second"].sent.pop()[3](
-            RunnerFailure(Failure(ident, FailureCode.STOPPING, "stopping", 1.0)))
+            RunnerFailure(Failure(ident, FailureCode.STOPPING, "stopping", 1.0)), 0.0)
         assert isinstance(host.answer, Unavailable) and host.answer.reason == "draining"
     assert gates["chain"].share == 0.0
 
@@ -209,7 +209,7 @@ def test_a_step_whose_share_of_the_deadline_is_spent_is_not_sent(
     route(pools).chain(host).start({"x": np.ones((1, 2), np.float32)}, 1, deadline=0.100)
     (_, _, _, done), = pools["first"].sent
     clock[0] = 0.150  # the first step answered past the whole deadline
-    done({"y": np.ones((1, 2), np.float32)})
+    done({"y": np.ones((1, 2), np.float32)}, 0.0)
     assert isinstance(host.answer, Unavailable) and host.answer.reason == "pipeline"
     assert host.answer.message.startswith(
         "pipeline 'chain', step 1 (runner 'second'): what is left of the request's deadline "
@@ -231,8 +231,9 @@ def test_a_runner_used_twice_is_counted_as_two_steps() -> None:
                   {"first": Gate(), "again": Gate()}, {"first": 0}, Timeouts())
     before = {step: refusals("again", step) for step in ("0", "1")}
     again.chain(host).start({"x": np.ones((1, 2), np.float32)}, 1, deadline=math.inf)
-    pools["first"].sent[0][3]({"y": np.ones((1, 2), np.float32)})
-    pools["first"].sent[1][3](RunnerFailure(Failure(2, FailureCode.REFUSED, "refused", 1.0)))
+    pools["first"].sent[0][3]({"y": np.ones((1, 2), np.float32)}, 0.0)
+    pools["first"].sent[1][3](RunnerFailure(Failure(2, FailureCode.REFUSED, "refused", 1.0)),
+                              0.0)
     assert isinstance(host.answer, SloRefused)
     assert refusals("again", "1") - before["1"] == 1
     assert refusals("again", "0") - before["0"] == 0
@@ -259,9 +260,9 @@ def test_rows_a_step_ran_for_a_request_a_later_step_refused_are_counted_wasted(
     before = wasted("0", "first"), wasted("1", "second")
     chained.chain(host).start({"x": np.ones((3, 2), np.float32)}, 3, deadline=math.inf)
     (_, _, _, done), = pools["first"].sent
-    done({"y": np.ones((3, 2), np.float32)})
+    done({"y": np.ones((3, 2), np.float32)}, 0.0)
     (_, _, _, done), = pools["second"].sent
-    done(RunnerFailure(Failure(1, FailureCode.REFUSED, "refused", 2.0)))
+    done(RunnerFailure(Failure(1, FailureCode.REFUSED, "refused", 2.0)), 0.0)
     assert isinstance(host.answer, SloRefused)
     assert (wasted("0", "first"), wasted("1", "second")) == (before[0] + 3, before[1])
 
@@ -277,9 +278,9 @@ def test_an_answer_past_the_limit_counts_every_step_wasted_and_one_in_time_none(
         before = wasted("0", "first"), wasted("1", "second")
         chained.chain(host).start({"x": np.ones((2, 2), np.float32)}, 2, deadline=0.080,
                                   due=0.100)
-        pools["first"].sent.pop()[3]({"y": np.ones((2, 2), np.float32)})
+        pools["first"].sent.pop()[3]({"y": np.ones((2, 2), np.float32)}, 0.0)
         clock[0] = answered_at
-        pools["second"].sent.pop()[3]({"z": np.ones((2, 2), np.float32)})
+        pools["second"].sent.pop()[3]({"z": np.ones((2, 2), np.float32)}, 0.0)
         assert isinstance(host.answer, tuple)  # answered, in time or not
         added = 2 if late else 0
         assert (wasted("0", "first"), wasted("1", "second")) == (before[0] + added,
