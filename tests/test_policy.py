@@ -792,6 +792,34 @@ def test_while_a_batch_runs_the_oldest_is_refused_once_the_next_batch_cannot_sav
     assert policy.poll(0.086).refused == (late,)  # still running: 0.086 + 0.045 > 0.13
 
 
+def test_the_member_whose_deadline_binds_is_refused_not_the_head() -> None:
+    """Two API workers keep back different reserves for the way home, so a younger request
+    can be due before the head of the queue. Its batch is judged on the earliest deadline
+    among its members: the younger one, doomed, is refused; the head runs in time."""
+    policy = oldest()
+    policy.offer(request(0, 0.0), 0.0)
+    running = policy.poll(0.0).batch
+    assert running is not None
+    head, younger = request(1, 0.001), request(2, 0.002, slo=0.06)  # due 0.101 and 0.062
+    assert policy.offer(head, 0.001) and policy.offer(younger, 0.002)
+    policy.complete(running, 0.0, 0.03)  # the next batch would end at 0.075
+    step = policy.poll(0.03)
+    assert step.refused == (younger,)
+    assert step.batch is not None and step.batch.requests == (head,)
+
+
+def test_the_next_look_comes_when_the_earliest_member_would_be_doomed() -> None:
+    policy = oldest()
+    policy.offer(request(0, 0.0), 0.0)
+    assert policy.poll(0.0).batch is not None  # mean end 0.045
+    head, younger = request(1, 0.03), request(2, 0.031, slo=0.07)  # due 0.13 and 0.101
+    assert policy.offer(head, 0.03) and policy.offer(younger, 0.031)
+    step = policy.poll(0.031)
+    assert step.refused == ()  # the next batch would end at 0.09: both in time
+    assert step.wake_at == pytest.approx(0.101 - 0.045)  # the younger one's, not the head's
+    assert policy.poll(0.057).refused == (younger,)
+
+
 def test_the_probe_is_never_refused_whatever_the_model_says() -> None:
     """A cost model too slow for the limit would refuse everything and never learn better:
     the request that finds the model idle runs."""

@@ -567,7 +567,8 @@ class AdaptivePolicy:
         limit = self._oldest_limit()
         refused: list[Request] = []
         rows, finish = self._shed_from(0, start, limit, refused, now)
-        shed_at = queue[0].deadline - (finish - start) - self._gaps.mean if queue else None
+        shed_at = (queue[self._binding(0, rows)].deadline - (finish - start) - self._gaps.mean
+                   if queue else None)
         index, later = 0, start
         fit, tuning = self._costs.fit, self.tuning
         chain = max(tuning.shed_chain, 1.0 + tuning.shed_chain_spreads * fit.spread)
@@ -607,12 +608,41 @@ class AdaptivePolicy:
             behind = waiting.group_rows.get(head.group, head.rows) - self._rows_before(index)
             rows = min(limit, behind + int(joining))
             finish = start + fit.mean(rows) * (fit.factor if behind + joining > limit else alone)
-            if head.id == waiting.probe or head.assured or finish <= head.deadline:
+            if head.id == waiting.probe or head.assured:
                 return rows, finish
-            del queue[index]
-            waiting.forget(head)
-            refused.append(head)
+            binding = self._binding(index, rows)
+            late = queue[binding]
+            if finish <= late.deadline:
+                return rows, finish
+            del queue[binding]
+            waiting.forget(late)
+            refused.append(late)
         return 0, start
+
+    def _binding(self, index: int, rows: int) -> int:
+        """The index of the request whose deadline binds the batch that the request at
+        `index` heads and that takes `rows` rows: that request while deadlines are in arrival
+        order; else the earliest deadline among the batch's members (its group's, FIFO, as
+        `_take` makes it). Requests of one limit come in order, but API workers that keep back
+        different reserves for the way home, or a client's own deadline, send them out of it:
+        judged on its head alone, such a batch ends past a younger member's deadline."""
+        waiting = self._waiting
+        if waiting.ordered:
+            return index
+        queue = waiting.requests
+        group = queue[index].group
+        binding, taken = index, 0
+        for at in range(index, len(queue)):
+            request = queue[at]
+            if request.group != group:
+                continue
+            if taken and taken + request.rows > rows:
+                break
+            taken += request.rows
+            if request.deadline < queue[binding].deadline and not request.assured \
+                    and request.id != waiting.probe:
+                binding = at
+        return binding
 
     def _rows_before(self, index: int) -> int:
         """The rows queued ahead of the request at `index` (0 or where a batch ends)."""
