@@ -820,13 +820,19 @@ def test_the_next_look_comes_when_the_earliest_member_would_be_doomed() -> None:
     assert policy.poll(0.057).refused == (younger,)
 
 
-def test_the_probe_is_never_refused_whatever_the_model_says() -> None:
-    """A cost model too slow for the limit would refuse everything and never learn better:
-    the request that finds the model idle runs."""
-    policy = oldest(intercept=0.5)
-    probe = request(0, 0.0)
-    assert policy.offer(probe, 0.0)
+def test_the_idle_model_refuses_at_once_a_request_that_cannot_fit_even_alone() -> None:
+    """The request that finds the model idle is the probe, never refused, when its rows alone
+    fit its deadline on the idle model's cost, as refusing at arrival takes it. One that
+    cannot (what the API leaves the runner after a slow way there) is refused at once, not
+    run late on the probe's pass."""
+    policy = oldest()  # 45 ms a batch
+    doomed = request(0, 0.0, slo=0.03)
+    assert policy.offer(doomed, 0.0)  # refusing the oldest refuses nothing on arrival
     step = policy.poll(0.0)
+    assert step.refused == (doomed,) and step.batch is None
+    probe = request(1, 0.01)  # due 0.11
+    assert policy.offer(probe, 0.01)
+    step = policy.poll(0.01)
     assert step.refused == () and step.batch is not None and step.batch.requests == (probe,)
 
 

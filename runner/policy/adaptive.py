@@ -94,8 +94,9 @@ class AdaptivePolicy:
         self._rates.requests.add(now)
         self._rates.rows.add(now, request.rows)
         if self.oldest:
-            if self._busy.batch is None and not self._waiting.requests:
-                self._waiting.probe = request.id
+            if self._busy.batch is None and not self._waiting.requests \
+                    and now + self.model.idle_cost(request.rows) <= request.deadline:
+                self._waiting.probe = request.id  # as `_admits` would take it
         elif not self._admits(request, now):
             self.refused += 1
             return False
