@@ -988,3 +988,21 @@ def test_on_a_cost_that_never_varies_no_answer_is_late(rate: float) -> None:
     late, answered = _late_on_an_exact_line(rate, 2.0, 0.025)
     assert answered > 1000
     assert late == 0
+
+
+def test_refusing_the_oldest_a_batch_grows_no_further_than_its_head_can_wait() -> None:
+    """A head that is never refused (a piece of a request the idle model was assured to
+    finish, or the probe) is not made late by the rows that joined behind it: the batch
+    takes only what still ends by its deadline, and the rest wait for the next one."""
+    policy = oldest(intercept=0.045, slope=0.01)
+    policy.offer(request(0, 0.0), 0.0)
+    running = policy.poll(0.0).batch
+    assert running is not None
+    head = Request(1, 1, 0.001, 0.101, assured=True)
+    assert policy.offer(head, 0.001)
+    for ident in range(2, 6):
+        assert policy.offer(request(ident, 0.002 * ident), 0.002 * ident)
+    policy.complete(running, 0.0, 0.03)
+    batch = policy.poll(0.03).batch
+    assert batch is not None and batch.requests[0] == head
+    assert 0.03 + 0.045 + 0.01 * batch.rows <= head.deadline  # 2 rows, not all 5

@@ -597,10 +597,9 @@ class AdaptivePolicy:
         leaves out the heavy tail, which slows a few batches in a hundred: counting it
         refused answers that nearly all came in time.
         """
-        waiting, costs = self._waiting, self._costs
-        queue, fit = waiting.requests, costs.fit
-        normal = min(costs.margin, self.model.quantile_k * fit.spread)
-        alone = 1.0 + self.tuning.shed_alone_k / self.model.quantile_k * normal
+        waiting, fit = self._waiting, self._costs.fit
+        queue = waiting.requests
+        alone = self._likely_factor()
         # Rows arriving before a later batch starts join it (FIFO); the next batch is judged
         # on the rows queued now, and again when the model frees.
         joining = self._rates.rows.rate(now) * (start - now) if index else 0.0
@@ -619,6 +618,13 @@ class AdaptivePolicy:
             waiting.forget(late)
             refused.append(late)
         return 0, start
+
+    def _likely_factor(self) -> float:
+        """The multiple of the mean line that `refuse: oldest` judges a batch taking every
+        row on (see `_shed_from`)."""
+        costs = self._costs
+        normal = min(costs.margin, self.model.quantile_k * costs.fit.spread)
+        return 1.0 + self.tuning.shed_alone_k / self.model.quantile_k * normal
 
     def _binding(self, index: int, rows: int) -> int:
         """The index of the request whose deadline binds the batch that the request at
@@ -715,6 +721,12 @@ class AdaptivePolicy:
         group = queue[0].group
         rows = 0
         wait = self._rates.queue_wait_s
+        # Refusing the oldest, a batch grows no further than its members' earliest deadline
+        # allows on the likely line: `_shed_from` keeps a head only if it is in time in the
+        # batch it heads, but a head never refused (the probe, an assured piece) would be
+        # made late by the rows that joined behind it.
+        likely = self._likely_factor() if self.oldest else 0.0
+        start, due = now + self._gaps.mean, math.inf
         while queue:
             request = queue[0]
             if request.group != group:
@@ -722,6 +734,10 @@ class AdaptivePolicy:
                 continue
             if taken and (rows + request.rows > limit or len(taken) >= self.limits.request_bound):
                 break
+            if likely and taken and start + fit.mean(rows + request.rows) * likely > min(
+                    due, request.deadline):
+                break
+            due = min(due, request.deadline)
             queue.popleft()
             waiting.forget(request)
             late = request.deadline < now + intercept + slope * (rows + request.rows)
