@@ -94,13 +94,15 @@ class Run:
                  percent(self.share(r.good)), f"{100 * late:.2f}" if late is not None else "-",
                  "-" if at_server is None or not r.sent else f"{100 * at_server / r.sent:.2f}",
                  percent(self.share(r.refused)), percent(self.share(r.other)),
+                 "-" if r.send_lag_p99_ms is None else f"{r.send_lag_p99_ms:.1f}",
                  f"{self.goodput:.1f}", ratio, verdict, reasons(self.server.unavailable)]
         return "| " + " | ".join(cells) + " |"
 
 
 HEAD = (f"| mode | load | client | sent | ≤ {LIMIT_MS:g} ms % | late % | late at the server % "
-        "| 503 % | other % | goodput req/s | of oldest's | late ≤ 0.1% | server's 503s |\n"
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+        "| 503 % | other % | client send lag p99 ms | goodput req/s | of oldest's | late ≤ 0.1% "
+        "| server's 503s |\n"
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
 
 
 def table(runs: Sequence[Run]) -> str:
