@@ -564,11 +564,12 @@ class AdaptivePolicy:
         queue = waiting.requests
         if not queue:
             return (), None
-        start = (now if busy.batch is None else self._next_start(now)[0]) + self._gaps.mean
+        gap_s = self._gaps.high  # the model thread's wake: a slow one would make it late
+        start = (now if busy.batch is None else self._next_start(now)[0]) + gap_s
         limit = self._oldest_limit()
         refused: list[Request] = []
         rows, finish = self._shed_from(0, start, limit, refused, now)
-        shed_at = (queue[self._binding(0, rows)].deadline - (finish - start) - self._gaps.mean
+        shed_at = (queue[self._binding(0, rows)].deadline - (finish - start) - gap_s
                    if queue else None)
         index, later = 0, start
         fit, tuning = self._costs.fit, self.tuning
@@ -726,7 +727,7 @@ class AdaptivePolicy:
         # batch it heads, but a head never refused (the probe, an assured piece) would be
         # made late by the rows that joined behind it.
         likely = self._likely_factor() if self.oldest else 0.0
-        start, due = now + self._gaps.mean, math.inf
+        start, due = now + self._gaps.high, math.inf
         while queue:
             request = queue[0]
             if request.group != group:
