@@ -735,10 +735,11 @@ class AdaptivePolicy:
                 continue
             if taken and (rows + request.rows > limit or len(taken) >= self.limits.request_bound):
                 break
-            if likely and taken and start + fit.mean(rows + request.rows) * likely > min(
-                    due, request.deadline):
-                break
-            due = min(due, request.deadline)
+            if likely:
+                if taken and start + fit.mean(rows + request.rows) * likely > min(
+                        due, request.deadline):
+                    break
+                due = min(due, request.deadline)
             queue.popleft()
             waiting.forget(request)
             late = request.deadline < now + intercept + slope * (rows + request.rows)
