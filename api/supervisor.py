@@ -5,10 +5,10 @@ worker starts. A runner whose configuration lists `addresses` runs elsewhere (`b
 runner`) and is not started here: the API workers connect to those addresses, and start-up
 waits for the workers' liveness instead of readiness, since a runner on another host may come
 later (until it does, its requests get 503). `--api-only` asserts that every runner is such.
-The API socket is bound once here and shared with every worker; the gRPC port
-(`api.grpc_port`, 0 for none) is checked free and then held here, bound with `SO_REUSEPORT`
-but not listening, so that every worker binds it beside the others (gRPC cannot take a socket
-it did not open) and no other server takes it while one restarts. The server is ready once
+The HTTP port and the gRPC port (`api.grpc_port`, 0 for none) are checked free and then
+held here, bound with `SO_REUSEPORT` but not listening: every worker listens on each port
+on a socket of its own, the kernel spreads new connections over the workers, and no other
+server takes a port while a worker restarts (`batchserve.api.ports`). The server is ready once
 every worker has reported serving on a pipe (before that a worker has no drain to run, and a
 stop signal kills it) and the port answers. Signal handlers only note the signal; the main
 loop acts on it. A child that dies is replaced; its in-flight requests were already answered
@@ -16,8 +16,9 @@ loop acts on it. A child that dies is replaced; its in-flight requests were alre
 configuration's `timeouts`.
 
 Shutdown goes in order, so no request is dropped: the API workers first (they answer new
-requests 503 and finish those they hold, which the runners are still serving), then the port
-is closed (a new connection is refused, not left waiting), then the runners (they finish
+requests 503 and finish those they hold, which the runners are still serving), then the ports
+are let go (once the workers have closed their sockets a new connection is refused, not left
+waiting), then the runners (they finish
 what is still queued). A process that outlives `timeouts.kill_after_s` is killed. The
 supervisor exits 0 when every child it stopped exited 0. A second signal kills at once.
 """
@@ -47,6 +48,7 @@ from ..runner.core.handshake import Refused, greet
 from ..runner.core.security import Credentials
 from ..runner.core.timeouts import Timeouts
 from ..runner.core.wire import Address, FrameSocket, Ping, Pong, WireError
+from . import ports
 
 log = logging.getLogger("batchserve")
 _PR_SET_PDEATHSIG = 1
@@ -282,9 +284,9 @@ class Supervisor:
             self.apis.append(Child(
                 f"api worker {index}",
                 [sys.executable, "-m", "batchserve.api.worker", "--config", config_arg,
-                 "--runners", orjson.dumps(addresses).decode(), "--fd", str(listener.fileno()),
-                 *grpc_args],
-                self._environment(folder), pass_fds=(listener.fileno(),), reports_ready=True,
+                 "--runners", orjson.dumps(addresses).decode(), "--host", self.host,
+                 "--port", str(self.port), *grpc_args],
+                self._environment(folder), reports_ready=True,
             ))
         for child in self.apis:
             child.start()
@@ -313,37 +315,23 @@ class Supervisor:
         return probe(child.address, self.timeouts.ping_timeout_s, child.runner, self.keys.token)
 
     def _bind(self) -> socket.socket:
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        """Hold the HTTP port for the workers, each listening on it (`batchserve.api.ports`)."""
         try:
-            listener.bind((self.host, self.port))
+            held = ports.hold(self.host, self.port)
         except OSError as exc:
-            listener.close()
-            where = f"{self.host}:{self.port}"
-            raise StartupError(f"cannot listen on {where}: {exc.strerror}") from None
-        listener.listen(2048)
-        listener.set_inheritable(True)
-        self.port = listener.getsockname()[1]
-        return listener
+            raise StartupError(f"cannot listen on {self.host}:{self.port}: {exc.strerror}"
+                               ) from None
+        self.port = held.getsockname()[1]
+        return held
 
     def _hold_grpc(self) -> socket.socket:
-        """Check the gRPC port is free (a bind without `SO_REUSEPORT` fails if anyone holds
-        it, another batchserve included), then hold it for the workers (see the docstring)."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        for reuse in (False, True):
-            hold = socket.socket(family, socket.SOCK_STREAM)
-            hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(reuse))
-            try:
-                hold.bind((self.host, self.grpc_port))
-            except OSError as exc:
-                hold.close()
-                where = f"{self.host}:{self.grpc_port}"
-                raise StartupError(f"cannot listen for gRPC on {where}: {exc.strerror}"
-                                   ) from None
-            if not reuse:
-                hold.close()
-        return hold
+        """Hold the gRPC port for the workers, each of which binds it itself (grpcio takes no
+        socket it did not open)."""
+        try:
+            return ports.hold(self.host, self.grpc_port)
+        except OSError as exc:
+            raise StartupError(f"cannot listen for gRPC on {self.host}:{self.grpc_port}: "
+                               f"{exc.strerror}") from None
 
     def _await_api(self, listener: socket.socket) -> None:
         limit = self.timeouts.api_start_s

@@ -1,7 +1,8 @@
 """One API worker process: uvicorn serving the app on a socket the supervisor bound.
 
-The supervisor binds the listening socket once and hands its file descriptor to every
-worker, so all of them accept on the same port and a worker can be replaced alone.
+Every worker listens on the server's port on a socket of its own, bound with `SO_REUSEPORT`
+beside the others' (the supervisor holds the port, `batchserve.api.ports`), so the kernel
+spreads connections over the workers and a worker can be replaced alone.
 
 Inference requests are answered by `batchserve.api.http.connection`, uvicorn's HTTP protocol with
 the inference route taken off its ASGI path; the worker's main loop sleeps until a signal
@@ -33,6 +34,7 @@ from ..runner.core.config import load
 from ..runner.core.security import credentials
 from ..runner.core.timeouts import Timeouts
 from ..runner.core.wire import Address
+from . import ports
 from .grpc.server import GrpcServer
 from .http.app import App, create_app
 from .http.connection import protocol_for
@@ -121,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m batchserve.api.worker")
     parser.add_argument("--config", required=True)
     parser.add_argument("--runners", required=True, help='JSON {"runner": ["unix:/a.sock"]}')
-    parser.add_argument("--fd", type=int, required=True, help="the bound listening socket")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True, help="the port the supervisor holds")
     parser.add_argument("--ready-fd", type=int, help="a pipe to write one byte to once serving")
     parser.add_argument("--grpc-host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=0, help="0: no gRPC")
@@ -136,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for address in (a for texts in addresses.values() for a in texts):
         keys.check(address)
     app = create_app(config, addresses, keys)
-    listener = socket.socket(fileno=args.fd)
+    listener = ports.listen(args.host, args.port)
     timeouts = config.timeouts
     server = DrainingServer(uvicorn.Config(
         app,
