@@ -12,14 +12,8 @@ import pytest
 
 from batchserve.api import ports
 from tests.conftest import Server, wait_for
+from tests.test_supervisor import ONE_RUNNER
 
-ONE_RUNNER = """
-runners:
-  iris_clf:
-    model: batchserve.runner.bundled:iris_classifier
-    inputs: [{name: input, datatype: FP32, shape: [-1, 4]}]
-    outputs: [{name: scores, datatype: FP32, shape: [-1, 3]}]
-"""
 POOL = 64
 """Connections a client opens at once. Spread by a hash, fewer than 16 of 64 on one of two
 workers comes about once in 30,000 servers."""
