@@ -48,10 +48,10 @@ class Progress:
 # I/O: connections, pool, scheduler
 
 
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One keep-alive connection carrying at most one request at a time."""
 
-    def __init__(self, run: _Run) -> None:
+    def __init__(self, run: Run) -> None:
         self._run = run
         self._parser = ResponseParser(run.samples, run.retries)
         self.transport: asyncio.Transport | None = None
@@ -95,8 +95,13 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
 
-class _Run:
-    """State of one run: per-request records, the connection pool and the client-side queue."""
+class Run:
+    """State of one run: per-request records, the connection pool and the client-side queue.
+
+    A client that reads its answers differently subclasses it with its own `connection`.
+    """
+
+    connection: Callable[[Run], Connection] = Connection
 
     def __init__(self, target: Target, offsets: list[float], max_connections: int) -> None:
         self.target = target
@@ -110,8 +115,8 @@ class _Run:
         self.last_done = 0.0
         self.remaining = n
         self.all_done = asyncio.Event()
-        self.idle: list[_Connection] = []
-        self.conns: set[_Connection] = set()
+        self.idle: list[Connection] = []
+        self.conns: set[Connection] = set()
         self.connecting = 0
         self.queued: deque[int] = deque()
         self.peak_connections = 0
@@ -178,13 +183,13 @@ class _Run:
 
     # -- pool
 
-    def release(self, conn: _Connection) -> None:
+    def release(self, conn: Connection) -> None:
         if self.queued and not self.closing:
             conn.send(self.queued.popleft())
         else:
             self.idle.append(conn)
 
-    def lost(self, conn: _Connection) -> None:
+    def lost(self, conn: Connection) -> None:
         self.conns.discard(conn)
         if conn in self.idle:
             self.idle.remove(conn)
@@ -205,7 +210,7 @@ class _Run:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await loop.create_connection(
-                lambda: _Connection(self), self.target.host, self.target.port
+                lambda: self.connection(self), self.target.host, self.target.port
             )
         except OSError as exc:
             self.failure(f"cannot connect to {self.target.host}:{self.target.port}: {exc}")
@@ -255,6 +260,18 @@ class _Run:
         if self.fired == len(self.offsets):
             self.all_fired.set()
 
+    def result(self, rate: float, seconds: float, cpu: float, slo_ms: float,
+               drain_timeout: float) -> LoadResult:
+        """What the run measured, once it is over."""
+        elapsed = self.last_done - self.start if self.last_done else seconds
+        peaks = (self.peak_connections, self.peak_queued)
+        sends = Sends(len(self.offsets), self.written, max(0.0, self.last_write - self.start))
+        return summarize(
+            rate, seconds, self.latencies, self.statuses, self.lags, elapsed, peaks, cpu,
+            slo_ms=slo_ms, sends=sends, samples=self.error_samples(drain_timeout),
+            retries=self.retries,
+        )
+
 
 def _tick(
     loop: asyncio.AbstractEventLoop,
@@ -287,7 +304,7 @@ def _tick(
         j = k
 
 
-async def _fire_all(run: _Run) -> None:
+async def fire_all(run: Run) -> None:
     """Fire every request at its scheduled time, whatever the answers are doing."""
     stop = threading.Event()
     run.start = time.perf_counter()
@@ -327,32 +344,31 @@ async def run_load(
     if max_connections < 1:
         raise ValueError(f"max_connections must be at least 1, got {max_connections}")
     target = Target.from_url(url, body, headers, method)
-    run = _Run(target, schedule(rate, seconds, seed, pattern), max_connections)
+    run = Run(target, schedule(rate, seconds, seed, pattern), max_connections)
+    async with _watched(run, seconds, progress):
+        cpu = await drive(run, warm_connections, drain_timeout)
+    return run.result(rate, seconds, cpu, slo_ms, drain_timeout)
+
+
+async def drive(run: Run, warm_connections: int, drain_timeout: float) -> float:
+    """Open the warm connections, fire every request at its time and wait up to
+    ``drain_timeout`` for the last answers; the client's CPU seconds meanwhile."""
     cpu0 = time.process_time()
     try:
         await run.warm(warm_connections)
-        async with _watched(run, seconds, progress):
-            await _fire_all(run)
-            try:
-                await asyncio.wait_for(run.all_done.wait(), drain_timeout)
-            except TimeoutError:
-                pass  # unanswered requests keep their TIMEOUT status
+        await fire_all(run)
+        try:
+            await asyncio.wait_for(run.all_done.wait(), drain_timeout)
+        except TimeoutError:
+            pass  # unanswered requests keep their TIMEOUT status
     finally:
         await run.close()
-    cpu = time.process_time() - cpu0
-    elapsed = run.last_done - run.start if run.last_done else seconds
-    peaks = (run.peak_connections, run.peak_queued)
-    sends = Sends(len(run.offsets), run.written, max(0.0, run.last_write - run.start))
-    return summarize(
-        rate, seconds, run.latencies, run.statuses, run.lags, elapsed, peaks, cpu,
-        slo_ms=slo_ms, sends=sends, samples=run.error_samples(drain_timeout),
-        retries=run.retries,
-    )
+    return time.process_time() - cpu0
 
 
 @contextlib.asynccontextmanager
 async def _watched(
-    run: _Run, seconds: float, progress: Callable[[Progress], None] | None
+    run: Run, seconds: float, progress: Callable[[Progress], None] | None
 ) -> AsyncIterator[None]:
     """Call ``progress`` every :data:`PROGRESS_PERIOD_S` while the body runs, and once after."""
     if progress is None:
