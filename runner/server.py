@@ -124,14 +124,22 @@ class Connection(asyncio.BufferedProtocol):
         finally:
             dispatcher.gathered()
         # Only a connection from this machine is held: its calls carry when they were sent
-        # on our clock, so one read late keeps its deadline.
+        # on our clock, so one read late keeps its deadline. Never in the middle of a frame:
+        # a large call (an image of 600 KB) outgrows the socket's buffer, and held there it
+        # would cross one buffer a batch, arriving batches late with its deadline running.
         if (self.local and self.transport is not None and self.greeting is None
-                and dispatcher.hold(self)):
+                and not self.reader.partial and dispatcher.hold(self)):
             self.transport.pause_reading()
 
     def resume(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
+
+    @property
+    def partial(self) -> bool:
+        """A call is coming in (never on a connection that has closed)."""
+        return self.transport is not None and not self.transport.is_closing() \
+            and self.reader.partial
 
     def close(self, why: str) -> None:
         """Log why, and drop this connection."""

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from batchserve.runner.core.config import BatchInput, RunnerConfig, TensorSpec
+from batchserve.runner.core.timeouts import Timeouts
 from batchserve.runner.core.types import Tensors
 from batchserve.runner.core.wire import FailureCode
 from batchserve.runner.dispatcher import Dispatcher, Rejection, Reply
@@ -552,3 +553,51 @@ async def test_batches_of_sequences_are_bounded_in_elements_and_answered_a_row_e
     assert [answer["sum"].tolist() for answer in answers
             if not isinstance(answer, Rejection)] == [[10], [600], [300], [200], [5]]
     assert model.batches == [10, 900, 205]
+
+
+class Incoming:
+    """A connection the dispatcher holds, on which a call may be coming in."""
+
+    def __init__(self) -> None:
+        self.partial = False
+        self.resumed = 0
+
+    def resume(self) -> None:
+        self.resumed += 1
+
+
+async def test_the_next_batch_waits_for_a_call_still_coming_in_not_longer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A call larger than the socket's buffer takes several reads. Polled as soon as the model
+    # came free, the queued request would go alone and the call wait for the whole batch
+    # after it: three batches of one, where two make a batch of two.
+    clock = fake_clock(monkeypatch)
+    gate = Gate()
+    d = dispatcher(gate, clock=clock)
+    await d.start()
+    connection = Incoming()
+    first = await hold(d, gate, rows(1))
+    assert d.hold(connection)  # the model runs: the connection waits unread
+    queued = send(d, rows(1, 10))
+    connection.partial = True  # a large call's first bytes are in, the rest on their way
+    gate.open.set()
+    await completion(d)
+    assert connection.resumed == 1 and isinstance(await first, dict)
+    assert gate.batches == [1]  # the poll waits for the call ...
+    connection.partial = False
+    call = send(d, rows(1, 20))  # ... which comes in whole and is offered
+    assert isinstance(await queued, dict) and isinstance(await call, dict)
+    assert gate.batches == [1, 2]
+
+    # A call that does not come in holds the next batch for `Timeouts.FRAME_WAIT_S` only.
+    running = await hold(d, gate, rows(1, 30))
+    assert d.hold(connection)
+    late = send(d, rows(1, 40))
+    connection.partial = True
+    gate.open.set()
+    await completion(d)
+    assert gate.batches == [1, 2, 1]
+    await clock.advance(Timeouts.FRAME_WAIT_S)
+    assert isinstance(await running, dict) and isinstance(await late, dict)
+    assert gate.batches == [1, 2, 1, 1]

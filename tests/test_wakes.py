@@ -13,6 +13,9 @@ import json
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchserve.api.bench.loadgen import run_load
+from batchserve.runner.core.config import RunnerConfig, TensorSpec
+from batchserve.runner.core.wire import Ping, encode
+from batchserve.runner.server import Connection
 from tests.conftest import Server
 
 NAPPING = """
@@ -58,3 +61,64 @@ def test_a_runner_reads_once_per_batch_and_api_worker_not_once_per_request(
     # With one read a request, 8 or more.
     assert reads <= (2 * 2 + 1) * batches + 2 * 2, (reads, batches, result.sent)
     assert reads < result.sent / 3, (reads, batches, result.sent)
+
+
+class Transport:
+    """What a runner's connection does to its socket, counted."""
+
+    def __init__(self) -> None:
+        self.paused = 0
+        self.written: list[bytes] = []
+
+    def pause_reading(self) -> None:
+        self.paused += 1
+
+    def is_closing(self) -> bool:
+        return False
+
+    def writelines(self, chunks: list[bytes]) -> None:
+        self.written += [bytes(chunk) for chunk in chunks]
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+
+class Busy:
+    """A dispatcher whose model is running: it would hold every connection it is asked to."""
+
+    class metrics:  # noqa: N801 - the attribute the connection counts its reads on
+        class reads:  # noqa: N801
+            @staticmethod
+            def inc() -> None:
+                pass
+
+    def gather(self) -> None:
+        pass
+
+    def gathered(self) -> None:
+        pass
+
+    def hold(self, reader: object) -> bool:
+        return True
+
+
+def test_a_runner_holds_a_connection_between_calls_never_in_the_middle_of_one() -> None:
+    # A call larger than the socket's buffer comes in over several reads; held after the
+    # first, the rest would wait for the batch to end, and cross one buffer a batch.
+    async def reads() -> tuple[int, int, int]:
+        runner = RunnerConfig(name="m", model="m:m", inputs=(TensorSpec("x", "FP32", (-1,)),),
+                              outputs=(TensorSpec("y", "FP32", (-1,)),))
+        connection = Connection(runner, Busy(), set())  # type: ignore[arg-type]
+        transport = Transport()
+        connection.connection_made(transport)  # type: ignore[arg-type]
+        connection.greeting = None  # the handshake passed
+        frame = b"".join(bytes(chunk) for chunk in encode(Ping(1)))
+        counts = []
+        for piece in (frame[:3], frame[3:-1], frame[-1:]):
+            buffer = connection.get_buffer(-1)
+            buffer[: len(piece)] = piece
+            connection.buffer_updated(len(piece))
+            counts.append(transport.paused)
+        return counts[0], counts[1], counts[2]
+
+    assert asyncio.run(reads()) == (0, 0, 1)  # held only once the ping is whole

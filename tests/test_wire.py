@@ -98,6 +98,17 @@ def test_frames_survive_any_split_of_the_stream() -> None:
             np.testing.assert_array_equal(received.tensors["x"], sent.tensors["x"])  # type: ignore[union-attr]
 
 
+def test_a_reader_says_when_a_frame_has_begun_and_not_ended() -> None:
+    small, big = Ping(1), Call(2, 1.0, STAGE_BYTES, {"x": np.zeros(STAGE_BYTES, np.float32)})
+    stream = frame_bytes(small) + frame_bytes(big)
+    reader = FrameReader()
+    assert not reader.partial
+    assert len(reader.feed(stream[:2])) == 0 and reader.partial  # half a length
+    assert len(reader.feed(stream[2 : len(frame_bytes(small))])) == 1 and not reader.partial
+    assert reader.feed(stream[len(frame_bytes(small)) : -1]) == [] and reader.partial
+    assert len(reader.feed(stream[-1:])) == 1 and not reader.partial
+
+
 def test_a_frame_larger_than_the_stage_is_read_into_its_own_body_in_place() -> None:
     big = Call(7, 1.0, STAGE_BYTES, {"x": np.arange(STAGE_BYTES, dtype=np.float32)})
     frame = frame_bytes(big)

@@ -115,6 +115,11 @@ class Timeouts:
     LAG_FLOOR_S: ClassVar[float] = 0.010
     """The least loop lag that counts as falling behind, whatever the limits: below it, a loop
     on shared cores is only waiting its turn for the scheduler."""
+    FRAME_WAIT_S: ClassVar[float] = 0.005
+    """The longest a runner whose model has just come free puts off choosing the next batch
+    for a call still coming in on a connection: a call of 600 KB crosses a unix socket's
+    buffer in three reads, under a millisecond on idle cores and a few on busy ones, where
+    the batch it would otherwise wait for takes tens."""
     HOLD_MAX_S: ClassVar[float] = 0.5
     """The longest a runner leaves a connection unread while its model runs a batch (it reads
     once the batch ends, or once it overruns its predicted time): a long batch must not keep

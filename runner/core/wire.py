@@ -515,6 +515,11 @@ class FrameReader:
         self._body: bytearray | None = None  # the frame being filled in place
         self._filled = 0
 
+    @property
+    def partial(self) -> bool:
+        """Whether a frame has begun to arrive and not ended: the rest of it is on its way."""
+        return self._body is not None or self._staged > 0
+
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._body is not None:
             return memoryview(self._body)[self._filled :]
