@@ -11,10 +11,12 @@ What is left can only be less than what the runner would find: the published wai
 work the process held when it answered, not what came since from other workers, so a request
 refused here would be refused there too; the rest the runner judges itself.
 
-What this worker sent the process since its last word counts as well, beyond a full batch:
-those rows queue behind the published backlog, and a full batch of them may still join the
-batch the published wait was for. Without them a worker forwards everything between two
-words, and the process, which reads only once its model is free, refuses it a batch late.
+What this worker sent the process since its last word counts as well, beyond the rows the
+next batch takes (the word's `next_rows`, the policy's cap then; else a full batch): those
+rows queue behind the published backlog, and that many of them may still join the batch the
+published wait was for. Without them a worker forwards everything between two words, and the
+process, which reads only once its model is free, refuses it a batch late: a cap of 3 images
+where `max_batch_size` is 16 let 13 more through a batch of 60 ms, to be refused there.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ class Published:
     sent_rows: float = 0.0
     full_batch: int = 0
     """The process's `max_batch_size`: no batch takes more, so rows sent beyond it wait
-    longer (0, unknown: rows sent are not counted)."""
+    longer; the bound where a word does not say its `next_rows` (0, unknown: rows sent are
+    not counted)."""
     least_s: float = math.inf
     """The least wait ever published: about a one-row request's time on an idle process,
     what a pipeline counts for a step even once its backlog has drained."""
@@ -67,9 +70,10 @@ class Published:
 
     def left_s(self, now: float) -> float:
         """What is left of the published wait at `now` (0 once it has drained), with the rows
-        sent since beyond a full batch at the model's full speed (`row_s` each)."""
+        sent since beyond the next batch at the model's full speed (`row_s` each)."""
         word = self.word
-        beyond = self.sent_rows - self.full_batch if self.full_batch else 0.0
+        batch = word.next_rows or self.full_batch
+        beyond = self.sent_rows - batch if batch else 0.0
         queued_s = word.row_s * beyond if beyond > 0.0 and word.wait_s > 0.0 else 0.0
         return max(0.0, word.wait_s + queued_s - (now - self.heard))
 

@@ -237,7 +237,7 @@ class Connection(asyncio.BufferedProtocol):
             self._publish = False
             admission = self.dispatcher.admission()
             words.append(Backlog(admission.wait_s, admission.rows_ahead, admission.drain_s,
-                                 admission.row_s, admission.request_rows))
+                                 admission.row_s, admission.request_rows, admission.next_rows))
         return words
 
     def _send(self, message: Result | Failure | Started | Pong | Welcome) -> None:

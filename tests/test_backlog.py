@@ -89,6 +89,22 @@ def test_each_row_refused_in_place_adds_to_the_retry_after_as_the_runner_counts_
     assert backlog.refuse(4) == pytest.approx(first)  # the runner's next word counts anew
 
 
+def test_rows_sent_since_the_word_beyond_the_next_batch_count_in_the_wait() -> None:
+    # The policy caps its batches at 3 images where max_batch_size is 16: the fourth image
+    # sent during a batch waits for a batch after the next one, and its runner refuses it
+    # there, a batch late, if this worker lets it through.
+    backlog = Published(full_batch=16)
+    backlog.hear(Backlog(0.150, 1, 0.080, 0.030, next_rows=3), now=10.0)
+    backlog.sent(3)  # the next batch takes these
+    assert backlog.left_s(10.0) == pytest.approx(0.150)
+    backlog.sent(2)
+    assert backlog.left_s(10.0) == pytest.approx(0.150 + 2 * 0.030)
+    assert backlog.refuses(0.200, now=10.0)
+    backlog.hear(Backlog(0.150, 1, 0.080, 0.030), now=10.1)  # a word that does not say
+    backlog.sent(5)
+    assert backlog.left_s(10.1) == pytest.approx(0.150)  # a full batch of 16 may join
+
+
 def test_rows_sent_since_the_word_beyond_a_full_batch_count_in_the_wait() -> None:
     backlog = Published(full_batch=8)
     backlog.hear(Backlog(0.050, 16, 0.080, 0.005), now=10.0)
@@ -117,7 +133,8 @@ def test_what_the_wait_with_rows_sent_since_refuses_the_policy_refuses_too(
     admission = policy.admission(now)
     backlog = Published(full_batch=policy.limits.max_batch_size)
     backlog.hear(Backlog(admission.wait_s, admission.rows_ahead, admission.drain_s,
-                         admission.row_s), now)
+                         admission.row_s, admission.request_rows, admission.next_rows), now)
+    assert 0 < admission.next_rows <= policy.limits.max_batch_size
     later = now + 0.002
     for _ in range(sent):  # this worker's calls since the word, each taken or refused there
         ident += 1

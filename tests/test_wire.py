@@ -11,6 +11,7 @@ from batchserve.runner.core.types import DATATYPES
 from batchserve.runner.core.wire import (
     STAGE_BYTES,
     Address,
+    Backlog,
     Call,
     Failure,
     FailureCode,
@@ -82,6 +83,8 @@ def test_failures_and_pings_round_trip() -> None:
     assert round_trip(judged) == judged
     assert round_trip(Ping(3)) == Ping(3)
     assert round_trip(Pong(4)) == Pong(4)
+    word = Backlog(0.15, 7, 0.2, 0.03, 1.5, next_rows=3, id=5)
+    assert round_trip(word) == word
 
 
 def test_frames_survive_any_split_of_the_stream() -> None:

@@ -58,7 +58,7 @@ _GROUP_VALUE = struct.Struct("<H")
 _RESULT = struct.Struct("<dH")
 _FAILURE = struct.Struct("<BdddI")
 _STARTED = struct.Struct("<I")
-_BACKLOG = struct.Struct("<ddddI")
+_BACKLOG = struct.Struct("<ddddII")
 _SIZE = struct.Struct("<Q")
 _ELEMENT = struct.Struct("<I")
 _HELLO = struct.Struct("<HI")
@@ -67,8 +67,9 @@ NONCE_BYTES = 32
 # 2: the Call frame carries its row count; 3: and its group; 4: and its spent time;
 # 5: a Failure carries the prediction a refusal was made on; 6: a Call carries its API
 # worker's cost; 7: a Call carries when it was sent, and a runner publishes its Backlog;
-# 8: a Result carries how long before its deadline its batch ended
-PROTOCOL_VERSION = 8
+# 8: a Result carries how long before its deadline its batch ended; 9: a Backlog carries
+# how many rows the next batch takes
+PROTOCOL_VERSION = 9
 _DTYPES = list(DATATYPES.values())
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 MAX_FRAME = 1 << 31
@@ -177,13 +178,16 @@ class Backlog:
     on arrival, and the rows it would find ahead. It ages by the time since it was heard:
     the backlog drains. A refusal's Retry-After covers `drain_s`, the time the rows ahead
     and those the runner refused lately need, and `row_s` for each row refused since; a
-    request refused before its rows are known counts `request_rows`, a request's lately."""
+    request refused before its rows are known counts `request_rows`, a request's lately.
+    `next_rows` is how many rows the next batch takes at most, as the policy caps it now (0
+    where it does not say): rows sent beyond it wait for a batch after."""
 
     wait_s: float
     rows_ahead: int = 0
     drain_s: float = 0.0
     row_s: float = 0.0
     request_rows: float = 1.0
+    next_rows: int = 0
     id: int = 0
 
 
@@ -319,7 +323,7 @@ def _plain_head(message: Message) -> bytes:
     if isinstance(message, Backlog):
         return _HEAD.pack(Kind.BACKLOG, message.id) + _BACKLOG.pack(
             message.wait_s, message.drain_s, message.row_s, message.request_rows,
-            message.rows_ahead)
+            message.rows_ahead, message.next_rows)
     if isinstance(message, Hello):
         return _HEAD.pack(Kind.HELLO, message.id) + _hello_bytes(message)
     if isinstance(message, Welcome):
@@ -479,8 +483,8 @@ def decode(body: bytearray) -> Message:
             calls = struct.unpack_from(f"<{count}Q", body, offset + _STARTED.size)
             return Started(calls, ident)
         if kind == Kind.BACKLOG:
-            wait, drain, row, request_rows, ahead = _BACKLOG.unpack_from(body, offset)
-            return Backlog(wait, ahead, drain, row, request_rows, ident)
+            wait, drain, row, request_rows, ahead, next_rows = _BACKLOG.unpack_from(body, offset)
+            return Backlog(wait, ahead, drain, row, request_rows, next_rows, ident)
         if kind == Kind.PING:
             return Ping(ident)
         if kind == Kind.PONG:

@@ -288,7 +288,7 @@ class AdaptivePolicy:
         requests = rates.requests.rate(now)
         request_rows = rates.rows.rate(now) / requests if requests > 0.0 else 1.0
         return Admission(finish - now, ahead, self.drain_s(ahead + backlog), self.drain_s(1),
-                         request_rows)
+                         request_rows, max(self.cap, waiting.next_rows))
 
     def drain_s(self, rows: float) -> float:
         """How long the model takes to serve `rows` at full speed: batches at the cap, back to

@@ -95,13 +95,15 @@ class Admission:
     take (at the high quantile, as `offer` admits on; 0 where `offer` refuses nothing) and
     the rows ahead of it, queued and running; and what a refusal's Retry-After would cover:
     the time the rows ahead and the refused backlog need (`drain_s`) and each further
-    refused row (`row_s`), and the rows a request holds lately (`request_rows`)."""
+    refused row (`row_s`), and the rows a request holds lately (`request_rows`); and the most
+    rows the next batch takes now (`next_rows`, 0 where it does not say)."""
 
     wait_s: float = 0.0
     rows_ahead: int = 0
     drain_s: float = 0.0
     row_s: float = 0.0
     request_rows: float = 1.0
+    next_rows: int = 0
 
 
 NO_ADMISSION = Admission()
