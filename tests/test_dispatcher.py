@@ -89,6 +89,15 @@ def dispatcher(model: Callable[..., object], policy: Policy | None = None,
                       clock=clock)
 
 
+async def gated(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeClock, Gate, Dispatcher]:
+    """A started dispatcher on a fake clock, its model a gate."""
+    clock = fake_clock(monkeypatch)
+    gate = Gate()
+    d = dispatcher(gate, clock=clock)
+    await d.start()
+    return clock, gate, d
+
+
 def settle(future: asyncio.Future[Tensors | Rejection]) -> Reply:
     """A reply that puts the answer in `future`, the spare time aside."""
     return lambda result, _spare_s: future.set_result(result)
@@ -167,10 +176,7 @@ async def test_a_failing_batch_answers_each_request_and_the_next_batch_runs() ->
 async def test_a_request_whose_deadline_passes_in_the_queue_is_expired_unrun(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    clock = fake_clock(monkeypatch)
-    gate = Gate()
-    d = dispatcher(gate, clock=clock)
-    await d.start()
+    clock, gate, d = await gated(monkeypatch)
     held = await hold(d, gate, rows(1))
     late = send(d, rows(1, 5), budget=0.01)
     on_time = send(d, rows(1, 7), budget=0.02)
@@ -245,10 +251,7 @@ async def test_a_refused_request_counts_once_however_many_pieces_it_was_cut_into
 async def test_drain_waits_its_grace_period_then_stops_what_is_left(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    clock = fake_clock(monkeypatch)
-    gate = Gate()
-    d = dispatcher(gate, clock=clock)
-    await d.start()
+    clock, gate, d = await gated(monkeypatch)
     running = await hold(d, gate, rows(1))
     queued = send(d, rows(1))
     draining = asyncio.ensure_future(d.drain(grace_s=0.1))
@@ -270,10 +273,7 @@ async def test_drain_waits_its_grace_period_then_stops_what_is_left(
 async def test_drain_returns_as_soon_as_the_running_work_is_done(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    clock = fake_clock(monkeypatch)
-    gate = Gate()
-    d = dispatcher(gate, clock=clock)
-    await d.start()
+    clock, gate, d = await gated(monkeypatch)
     running = await hold(d, gate, rows(1))
     queued = send(d, rows(1, 3))
     draining = asyncio.ensure_future(d.drain(grace_s=0.1))
@@ -572,10 +572,7 @@ async def test_the_next_batch_waits_for_a_call_still_coming_in_not_longer(
     # A call larger than the socket's buffer takes several reads. Polled as soon as the model
     # came free, the queued request would go alone and the call wait for the whole batch
     # after it: three batches of one, where two make a batch of two.
-    clock = fake_clock(monkeypatch)
-    gate = Gate()
-    d = dispatcher(gate, clock=clock)
-    await d.start()
+    clock, gate, d = await gated(monkeypatch)
     connection = Incoming()
     first = await hold(d, gate, rows(1))
     assert d.hold(connection)  # the model runs: the connection waits unread
