@@ -1,4 +1,4 @@
-"""One API worker process: uvicorn serving the app on a socket the supervisor bound.
+"""One API worker process: uvicorn serving the app on a socket of its own, on the server's port.
 
 Every worker listens on the server's port on a socket of its own, bound with `SO_REUSEPORT`
 beside the others' (the supervisor holds the port, `batchserve.api.ports`), so the kernel
