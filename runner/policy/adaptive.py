@@ -568,9 +568,8 @@ class AdaptivePolicy:
         start = (now if busy.batch is None else self._next_start(now)[0]) + gap_s
         limit = self._oldest_limit()
         refused: list[Request] = []
-        rows, finish = self._shed_from(0, start, limit, refused, now)
-        shed_at = (queue[self._binding(0, rows)].deadline - (finish - start) - gap_s
-                   if queue else None)
+        rows, finish, due = self._shed_from(0, start, limit, refused, now)
+        shed_at = due - (finish - start) - gap_s if queue else None
         index, later = 0, start
         fit, tuning = self._costs.fit, self.tuning
         chain = max(tuning.shed_chain, 1.0 + tuning.shed_chain_spreads * fit.spread)
@@ -579,7 +578,7 @@ class AdaptivePolicy:
             if index >= len(queue):
                 break
             later += fit.mean(rows) * chain + self._gaps.mean
-            rows, _ = self._shed_from(index, later, limit, refused, now)
+            rows, _, _ = self._shed_from(index, later, limit, refused, now)
         if refused:
             ahead = waiting.rows + (busy.batch.rows if busy.batch is not None else 0)
             self._refused(refused, finish, ahead, now)
@@ -587,9 +586,10 @@ class AdaptivePolicy:
 
     def _shed_from(
         self, index: int, start: float, limit: int, refused: list[Request], now: float
-    ) -> tuple[int, float]:
+    ) -> tuple[int, float, float]:
         """Refuse the request at `index` while the batch it heads, starting at `start`, would
-        end past its deadline; the rows that batch then takes, and when it ends.
+        end past its deadline; the rows that batch then takes, when it ends, and the deadline
+        that binds it (`_binding`; infinite once no request is left).
 
         The batch is judged at its high quantile when more rows wait for it than it takes: a
         refusal then lets a younger request in, one surely in time. When it takes every row
@@ -609,16 +609,14 @@ class AdaptivePolicy:
             behind = waiting.group_rows.get(head.group, head.rows) - self._rows_before(index)
             rows = min(limit, behind + int(joining))
             finish = start + fit.mean(rows) * (fit.factor if behind + joining > limit else alone)
-            if head.id == waiting.probe or head.assured:
-                return rows, finish
             binding = self._binding(index, rows)
             late = queue[binding]
-            if finish <= late.deadline:
-                return rows, finish
+            if head.id == waiting.probe or head.assured or finish <= late.deadline:
+                return rows, finish, late.deadline
             del queue[binding]
             waiting.forget(late)
             refused.append(late)
-        return 0, start
+        return 0, start, math.inf
 
     def _likely_factor(self) -> float:
         """The multiple of the mean line that `refuse: oldest` judges a batch taking every
