@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from batchserve.api.bench.server import free_port
 from benchmarks.live_clients import RunResult, SharedClient
 from benchmarks.live_table import replace_block
 from benchmarks.steady_live import CAPACITY_RPS, CLIENTS, LATE_SHARE, LIMIT_MS, LOADS
@@ -56,12 +57,6 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await asyncio.sleep(float(os.environ[DELAY_ENV]))
     await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
     await send({"type": "http.response.body", "body": ANSWER})
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @contextmanager
