@@ -83,7 +83,7 @@ class FakeRunner:
     async def answer(self, writer: asyncio.StreamWriter, call: Call) -> None:
         await self.release.wait()
         if not writer.is_closing():
-            writer.writelines(encode(Result(call.id, dict(call.tensors))))
+            writer.writelines(encode(Result(call.id, dict(call.tensors), 0.0)))
 
 
 class FakeDNS:

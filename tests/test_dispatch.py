@@ -123,14 +123,14 @@ def test_a_runner_silent_past_a_calls_deadline_gets_a_503_and_leaves_no_timer() 
         waited = asyncio.get_running_loop().time() - sent
         assert 0.05 <= waited < 1.0
         assert link._expiry is not None  # armed for the call still waiting
-        hear(link, Result(2, {}))
+        hear(link, Result(2, {}, 0.0))
         assert link._expiry is None and not link.pending
         return outcomes
 
     first, second = asyncio.run(scenario())
     assert isinstance(first, Unavailable)
     assert str(first) == "runner 'm' did not answer in time"
-    assert second == Result(2, {})
+    assert second == Result(2, {}, 0.0)
 
 
 def two_linked() -> Pool:
@@ -173,7 +173,7 @@ def test_a_call_no_process_started_goes_once_to_another_and_a_started_one_never(
         first.connection_lost(None)
         if not started:
             assert not outcomes and len(other.pending) == 1  # sent on at once
-            hear(other, Result(next(iter(other.pending)), {"y": np.ones(1)}))
+            hear(other, Result(next(iter(other.pending)), {"y": np.ones(1)}, 0.0))
         return outcomes
 
     (outcome,) = asyncio.run(scenario())

@@ -55,7 +55,7 @@ def test_every_datatype_round_trips_exactly(datatype: str) -> None:
 
 
 def test_tensor_data_is_aligned_and_writable() -> None:
-    result = round_trip(Result(1, {"odd_name": np.ones((3, 5), np.float64)}))
+    result = round_trip(Result(1, {"odd_name": np.ones((3, 5), np.float64)}, 0.0))
     assert isinstance(result, Result)
     array = result.tensors["odd_name"]
     assert array.ctypes.data % 8 == 0
@@ -71,7 +71,7 @@ def test_a_result_says_how_long_before_its_deadline_its_batch_ended() -> None:
 
 def test_non_contiguous_arrays_are_sent_in_row_major_order() -> None:
     array = np.arange(12, dtype=np.int32).reshape(3, 4).T
-    result = round_trip(Result(2, {"t": array}))
+    result = round_trip(Result(2, {"t": array}, 0.0))
     assert isinstance(result, Result)
     np.testing.assert_array_equal(result.tensors["t"], array)
 
@@ -135,10 +135,10 @@ def test_a_tensor_that_overruns_its_frame_is_refused() -> None:
 
 def test_bytes_are_laid_out_as_lengths_and_data_and_keep_later_tensors_aligned() -> None:
     words = np.array([b"ab", b"", b"cde"], dtype=object)
-    frame = frame_bytes(Result(3, {"w": words, "f": np.ones(2, np.float64)}))
+    frame = frame_bytes(Result(3, {"w": words, "f": np.ones(2, np.float64)}, 0.0))
     assert struct.pack("<Q", 17) + struct.pack("<I", 2) + b"ab" + struct.pack("<I", 0) + (
         struct.pack("<I", 3) + b"cde") in frame
-    result = round_trip(Result(3, {"w": words, "f": np.ones(2, np.float64)}))
+    result = round_trip(Result(3, {"w": words, "f": np.ones(2, np.float64)}, 0.0))
     assert isinstance(result, Result)
     assert result.tensors["w"].tolist() == [b"ab", b"", b"cde"]
     assert result.tensors["f"].ctypes.data % 8 == 0
@@ -180,7 +180,7 @@ def test_a_bytes_tensor_announcing_more_than_its_frame_is_refused() -> None:
 
 def test_bytes_tensors_hold_only_bytes() -> None:
     with pytest.raises(WireError, match="tensor 'w' is BYTES but holds a str"):
-        encode(Result(1, {"w": np.array(["text"], dtype=object)}))
+        encode(Result(1, {"w": np.array(["text"], dtype=object)}, 0.0))
 
 
 @pytest.mark.parametrize(

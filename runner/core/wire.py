@@ -141,7 +141,7 @@ class Result:
 
     id: int
     tensors: Tensors
-    spare_s: float = 0.0
+    spare_s: float
 
 
 @dataclass(frozen=True, slots=True)
