@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -13,8 +14,11 @@ from batchserve.runner.policy.baselines import BentoMLPolicy, FixedPolicy, NoBat
 from batchserve.runner.policy.latency_model import Fit, Timing
 from batchserve.runner.policy.policies import make_policy
 from batchserve.runner.policy.tuning import Tuning
+from batchserve.runner.sim.scenario import load_scenario
+from batchserve.runner.sim.simulate import simulate
 
 SLO = 0.1
+SCENARIOS = Path(__file__).parent.parent / "benchmarks" / "scenarios"
 
 
 def request(ident: int, at: float, rows: int = 1, slo: float = SLO) -> Request:
@@ -1029,3 +1033,37 @@ def test_refusing_the_oldest_the_model_threads_wake_counts_at_its_high_quantile(
     edge = Request(1, 1, at + 0.01, at + 0.093)  # in time after a mean wake, not a slow one
     assert policy.offer(edge, at + 0.01)
     assert policy.poll(at + 0.01).refused == (edge,)
+
+
+class _FullTestAlways(AdaptivePolicy):
+    """The adaptive policy working out every promise in full, never from the bound."""
+
+    def _within_bound(self, request: Request, now: float) -> bool:
+        return False
+
+
+class _CountingBound(AdaptivePolicy):
+    """The adaptive policy as it is, counting the requests its bound admitted."""
+
+    bounded = 0
+
+    def _within_bound(self, request: Request, now: float) -> bool:
+        admitted = super()._within_bound(request, now)
+        self.bounded += admitted
+        return admitted
+
+
+@pytest.mark.parametrize("name", ["load_80", "bursts", "stalls", "tight_slo"])
+def test_the_bound_on_the_next_batch_admits_only_what_the_full_promise_would(name: str) -> None:
+    """Requests joining the next batch are admitted from a bound worked out once per batch,
+    taken with no reserve to spare: on the same arrivals every decision, batch and answer
+    comes out as the full test makes them, and the bound does admit many of them."""
+    scenario = load_scenario(SCENARIOS / f"{name}.yml")
+    limit_s = scenario.slo_ms / 1000
+    counted = _CountingBound(scenario.max_batch_size, limit_s)
+    runs = [simulate(scenario, "adaptive", policy=policy)
+            for policy in (_FullTestAlways(scenario.max_batch_size, limit_s), counted)]
+    full, bounded = ({k: v for k, v in run.to_json().items() if not k.startswith(("refit_ms",
+                      "wall"))} for run in runs)
+    assert bounded == full
+    assert counted.bounded > full["requests"] // 10

@@ -86,6 +86,10 @@ class AdaptivePolicy:
         # still spend (`_learn_lateness`).
         self.promise_k = tuning.promise_k
         self._late_allowance = 0.0
+        # What the last promise into the next batch bounds, valid while nothing it was worked
+        # out from changes (`_epoch`: a batch taken or completed, a new cap or fit).
+        self._epoch = 0
+        self._bound: _Bound | None = None
         self._use(Fit())
 
     # --- the contract ---------------------------------------------------------------------
@@ -129,6 +133,7 @@ class AdaptivePolicy:
         self, batch: Batch, started: float, finished: float, cpu_s: float | None = None
     ) -> None:
         busy, refits = self._busy, self._refits
+        self._epoch += 1
         busy.batch = None
         after = busy.last_finished if busy.chained else busy.released
         self._gaps.add(max(0.0, started - after))
@@ -242,15 +247,57 @@ class AdaptivePolicy:
             return self._refuse(request, finish, 0, now)
         if request.assured:  # the rest of a request cut into pieces that the rule above took
             return True
+        if self._within_bound(request, now):
+            return True
         deadline = request.deadline
         plan = self._plan(request.rows, now, request.group)
         finish = self._promise(plan, now, deadline)
         if finish <= deadline and self._keeps_members(request, plan, now):
+            self._bound_next(request, plan, now)
             return True
         if self._stretch_next(request, now):
             return True
         running = busy.batch.rows if busy.batch is not None else 0
         return self._refuse(request, finish, waiting.rows + running, now)
+
+    def _bound_next(self, request: Request, plan: _Plan, now: float) -> None:
+        """Keep what a request joining the next batch is promised at most: that batch's end
+        holding all the rows it has room for, with the whole reserve (what `_promise` and
+        `_keeps_members` work out, for any rows up to the room and any deadline). Only for a
+        request of the only group queued whose rows fit that batch, on a model not stalled."""
+        waiting = self._waiting
+        alone = waiting.only(request.group)
+        if not alone or waiting.rows + request.rows > plan.room or self._stalled(now):
+            self._bound = None
+            return
+        finish = self._own_finish(plan, plan.room, math.inf)
+        self._bound = _Bound(self._epoch, request.group, plan.room, finish, self._start_at(now))
+
+    def _within_bound(self, request: Request, now: float) -> bool:
+        """Whether `_bound_next`'s bound, moved on with the next batch's start, admits
+        `request` and keeps every queued request's promise: then the full test would admit
+        it too, and a batch's worth of arrivals pays for that test once, not each."""
+        bound, waiting = self._bound, self._waiting
+        if bound is None or bound.epoch != self._epoch or bound.group != request.group:
+            return False
+        if not waiting.ordered or not waiting.only(request.group) or self._stalled(now):
+            return False
+        if waiting.rows + request.rows > bound.room:
+            return False
+        finish = bound.finish + self._start_at(now) - bound.start
+        earliest = waiting.requests[0].deadline if waiting.requests else math.inf
+        return finish <= request.deadline and finish <= earliest
+
+    def _stalled(self, now: float) -> bool:
+        busy = self._busy
+        return busy.batch is not None and now >= busy.stalled_at
+
+    def _start_at(self, now: float) -> float:
+        """`_next_start`'s start on a model not stalled."""
+        busy = self._busy
+        if busy.batch is None:
+            return now + self.window_s
+        return busy.done_mean if busy.done_mean > now else now
 
     def _refuse(self, request: Request, finish: float, ahead: int, now: float) -> bool:
         """Refuse `request` at arrival."""
@@ -471,6 +518,7 @@ class AdaptivePolicy:
         if finish > min(earliest, request.deadline):
             return False
         waiting.next_rows = rows
+        self._epoch += 1
         return True
 
     def _stretched_finish(self, rows: int, now: float, budget_s: float) -> float:
@@ -482,6 +530,7 @@ class AdaptivePolicy:
         return start + self._gaps.mean + batch_s + self._reserve(sums, budget_s)
 
     def _use(self, fit: Fit) -> None:
+        self._epoch += 1
         self.model.fit = fit
         self._costs = Costs.of(fit)
 
@@ -490,6 +539,7 @@ class AdaptivePolicy:
         rows_rate = self._rates.rows.rate(now)
         request_rate = self._rates.requests.rate(now)
         costs, limits = self._costs, self.limits
+        cap = self.cap
         self.cap = best_cap(
             costs.high_intercept_s, costs.high_slope_s, rows_rate, limits.max_latency_s,
             limits.max_batch_size,
@@ -506,6 +556,8 @@ class AdaptivePolicy:
         if request_rate * hold >= self.tuning.hold_min_arrivals and hold > self.window_s:
             self.window_s = hold
             self.target_rows = max(self.target_rows, rows_rate * hold)
+        if self.cap != cap:
+            self._epoch += 1  # the next batch's room (a new window only moves its start)
 
     def hold_s(self, intercept_s: float, slope_s: float, rows_per_s: float, cap: int) -> float:
         """How long, under load, a batch may wait to amortise its fixed cost.
@@ -705,6 +757,7 @@ class AdaptivePolicy:
         """Pop a batch FIFO up to the cap, dropping requests that would surely be late in it;
         a probe (see `_admits`) runs whatever the model says: it is there to correct it."""
         waiting, fit = self._waiting, self._costs.fit
+        self._epoch += 1
         queue = waiting.requests
         limit = max(self.cap, waiting.next_rows)
         if self.oldest:
@@ -760,6 +813,17 @@ class AdaptivePolicy:
         busy.done_mean = now + busy.mean_s
         busy.stalled_at = now + self.tuning.stall_after * batch.predicted_s
         return batch, tuple(dropped)
+
+
+class _Bound(NamedTuple):
+    """The most a request joining the next batch is promised (`AdaptivePolicy._bound_next`):
+    that batch's end holding `room` rows of `group`, for a next batch starting at `start`."""
+
+    epoch: int
+    group: tuple[str, ...]
+    room: int
+    finish: float
+    start: float
 
 
 class _Plan(NamedTuple):
