@@ -266,8 +266,8 @@ class AdaptivePolicy:
         `_keeps_members` work out, for any rows up to the room and any deadline). Only for a
         request of the only group queued whose rows fit that batch, on a model not stalled."""
         waiting = self._waiting
-        alone = waiting.only(request.group)
-        if not alone or waiting.rows + request.rows > plan.room or self._stalled(now):
+        if (not waiting.only(request.group) or waiting.rows + request.rows > plan.room
+                or self._stalled(now)):
             self._bound = None
             return
         finish = self._own_finish(plan, plan.room, math.inf)
@@ -293,7 +293,8 @@ class AdaptivePolicy:
         return busy.batch is not None and now >= busy.stalled_at
 
     def _start_at(self, now: float) -> float:
-        """`_next_start`'s start on a model not stalled."""
+        """When the next batch starts on a model not stalled (`_next_start`, which the bound
+        on the next batch moves with)."""
         busy = self._busy
         if busy.batch is None:
             return now + self.window_s
@@ -485,8 +486,8 @@ class AdaptivePolicy:
         """
         busy = self._busy
         if busy.batch is None:
-            return now + self.window_s, 0.0
-        if now >= busy.stalled_at:
+            return self._start_at(now), 0.0
+        if self._stalled(now):
             mean_s = busy.mean_s
             overrun = now - busy.done_mean
             longer = [seconds for seconds in self._costs.fit.overruns if seconds > overrun]
@@ -494,8 +495,7 @@ class AdaptivePolicy:
                 return busy.done_mean + sum(longer) / len(longer), mean_s
             began = busy.done_mean - mean_s
             return now + (now - began) / (TAIL_INDEX - 1.0), mean_s
-        start = busy.done_mean if busy.done_mean > now else now
-        return start, busy.mean_s
+        return self._start_at(now), busy.mean_s
 
     def _stretch_next(self, request: Request, now: float) -> bool:
         """Admit `request` into the next batch past the cap, if everyone in it stays on time.
