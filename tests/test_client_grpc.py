@@ -209,7 +209,7 @@ class Stub:
                 trailers += (("retry-after", retry),)
             context.set_trailing_metadata(trailers)
             context.abort(code, "runner busy")
-        request = door_codec.decode_infer(body, ECHO, None)
+        request = door_codec.decode_infer(door_codec.read_request(body), ECHO, None)
         y = request.inputs["x"] * request.inputs["k"][:, None]
         return door_codec.encode_infer(ECHO, request, {"y": y})
 

@@ -8,7 +8,7 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from batchserve.api import errors
-from batchserve.api.grpc.codec import peek_model
+from batchserve.api.grpc.codec import read_request
 from batchserve.api.grpc.door import refusal_of, status_of, trailers_of
 
 
@@ -42,11 +42,17 @@ def test_a_refusal_carries_its_reason_and_delay_and_a_foreign_error_says_nothing
     assert refusal_of(errors.BadRequest("no"))[:2] == (400, b"no")
 
 
-def test_the_model_is_read_off_the_request_without_decoding_it() -> None:
+def test_a_request_is_parsed_once_and_its_model_read_off_it() -> None:
     request = service_pb2.ModelInferRequest(model_name="mlp", model_version="1", id="7")
-    request.raw_input_contents.append(np.ones(256, np.float32).tobytes())
+    data = np.ones(256, np.float32).tobytes()
+    request.raw_input_contents.append(data)
     request.parameters["timeout"].int64_param = 5
-    assert peek_model(request.SerializeToString()) == ("mlp", "1", "7")
-    assert peek_model(service_pb2.ModelInferRequest().SerializeToString()) == ("", None, "")
+    parsed = read_request(request.SerializeToString())
+    assert (parsed.model_name, parsed.model_version, parsed.id) == ("mlp", "1", "7")
+    assert parsed.raw_input_contents[0] == data
+    empty = read_request(service_pb2.ModelInferRequest().SerializeToString())
+    assert (empty.model_name, empty.model_version, empty.id) == ("", "", "")
     with pytest.raises(errors.BadRequest, match="not a valid ModelInferRequest"):
-        peek_model(b"\x0a\x05ml")
+        read_request(b"\x0a\x05ml")  # a field that runs past the end
+    with pytest.raises(errors.BadRequest, match="not a valid ModelInferRequest"):
+        read_request(b"\x0a\x02\xff\xfe")  # a model name that is not UTF-8

@@ -29,7 +29,7 @@ from ..errors import BadRequest
 from ..tensors import BinaryData, from_binary, from_json, output_array, output_data
 from .messages import message
 
-__all__ = ["decode_infer", "encode_infer", "parameters", "peek_model"]
+__all__ = ["decode_infer", "encode_infer", "parameters", "read_request"]
 
 _CONTENTS: Final = {
     "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
@@ -43,47 +43,14 @@ InferRequestMessage = message("ModelInferRequest")
 InferResponseMessage = message("ModelInferResponse")
 
 
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if at >= len(data):
-            raise BadRequest("the request is not a valid ModelInferRequest: it ends in a field")
-        byte = data[at]
-        value |= (byte & 0x7F) << shift
-        at += 1
-        if byte < 0x80:
-            return value, at
-        shift += 7
-
-
-def peek_model(body: bytes) -> tuple[str, str | None, str]:
-    """A serialized `ModelInferRequest`'s `model_name`, `model_version` (None when empty) and
-    `id`, read off its top-level fields without decoding the tensors: so a request is admitted
-    (or refused) by its model before the work of decoding it, as HTTP admits on the URL."""
-    found: dict[int, bytes] = {}
-    at = 0
-    while at < len(body):
-        key, at = _varint(body, at)
-        kind = key & 7
-        if kind == 0:
-            _, at = _varint(body, at)
-        elif kind == 2:
-            size, at = _varint(body, at)
-            if at + size > len(body):
-                raise BadRequest("the request is not a valid ModelInferRequest: a field runs "
-                                 "past its end")
-            if key >> 3 in (1, 2, 3):
-                found[key >> 3] = body[at:at + size]
-            at += size
-        elif kind in (1, 5):
-            at += 8 if kind == 1 else 4
-        else:
-            raise BadRequest("the request is not a valid ModelInferRequest")
+def read_request(body: bytes) -> Any:
+    """A serialized `ModelInferRequest`, parsed once: its model is read off it, and the request
+    admitted or refused by it, before any tensor is decoded (`decode_infer`), as HTTP admits
+    on the URL. Parsing leaves the tensors as the bytes they came in."""
     try:
-        name, version, ident = (found.get(field, b"").decode() for field in (1, 2, 3))
-    except UnicodeDecodeError:
-        raise BadRequest("the request's model_name, model_version or id is not UTF-8") from None
-    return name, version or None, ident
+        return InferRequestMessage.FromString(body)
+    except DecodeError as exc:
+        raise BadRequest(f"the request is not a valid ModelInferRequest: {exc}") from None
 
 
 def parameters(given: Mapping[str, Any]) -> dict[str, Any]:
@@ -95,14 +62,10 @@ def parameters(given: Mapping[str, Any]) -> dict[str, Any]:
     return found
 
 
-def decode_infer(body: bytes, runner: RunnerConfig, deadline_s: float | None
+def decode_infer(request: Any, runner: RunnerConfig, deadline_s: float | None
                  ) -> protocol.InferRequest:
-    """Parse and check a serialized `ModelInferRequest` against the runner's signature;
+    """Check a parsed `ModelInferRequest` (`read_request`) against the runner's signature;
     `deadline_s`, the call's gRPC deadline, shortens the request's own `timeout`."""
-    try:
-        request = InferRequestMessage.FromString(body)
-    except DecodeError as exc:
-        raise BadRequest(f"the request is not a valid ModelInferRequest: {exc}") from None
     signature = protocol.signature_of(runner)
     try:
         inputs = _inputs(request, signature.inputs)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final
 
 import grpc
 
@@ -95,12 +95,13 @@ class GrpcExchange(Exchange):
 
     PROTOCOL = "grpc"
 
-    __slots__ = ("deadline",)
+    __slots__ = ("deadline", "message")
 
     def __init__(self, service: Service, name: str, respond: Respond,
-                 time_remaining: float | None) -> None:
+                 time_remaining: float | None, message: Any) -> None:
         super().__init__(service, name, respond)
         self.deadline = None if time_remaining is None else self.started + time_remaining
+        self.message = message  # the request, parsed once on arrival (`codec.read_request`)
 
     def decode_rate(self, runner: RunnerConfig, header_length: str | None
                     ) -> admission.DecodeRate | None:
@@ -108,8 +109,9 @@ class GrpcExchange(Exchange):
 
     def decode(self, body: bytes, header_length: str | None, runner: RunnerConfig
                ) -> protocol.InferRequest:
+        """The tensors of the request parsed on arrival; `body` is its bytes, already read."""
         left = None if self.deadline is None else self.deadline - time.monotonic()
-        return codec.decode_infer(body, runner, left)
+        return codec.decode_infer(self.message, runner, left)
 
     def encode(self, runner: RunnerConfig, call: protocol.InferRequest, outputs: Tensors
                ) -> tuple[bytes, Mapping[str, str]]:

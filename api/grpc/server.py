@@ -41,7 +41,7 @@ from ...runner.metrics import registry
 from .. import protocol, statistics, triton
 from ..errors import BadRequest, BatchserveError
 from ..service import Service
-from .codec import peek_model
+from .codec import read_request
 from .door import CODE, GrpcExchange, message_of, refusal_of, status_of, trailers_of
 from .messages import SERVICE, message
 
@@ -173,12 +173,14 @@ class InferenceService:
         """Admit and send one inference request; its answer comes to `respond`. The model
         and id, as far as they could be read."""
         try:
-            name, version, ident = peek_model(body)
+            request = read_request(body)
         except BadRequest as exc:
             respond(refusal_of(exc))
             return "", ""
+        name, ident = request.model_name, request.id
         exchange = self.service.admit(GrpcExchange(
-            self.service, name, lambda *answer: respond(answer), deadline), version)
+            self.service, name, lambda *answer: respond(answer), deadline, request),
+            request.model_version or None)
         if not exchange.done:
             exchange.run(body, None)
         return name, ident
