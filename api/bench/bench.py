@@ -150,9 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-target", metavar="HOST:PORT",
                    help=f"the gRPC service, for --protocol grpc (default: --url's host, port "
                    f"{GRPC_PORT})")
-    p.add_argument("--channels", type=int, default=8,
-                   help="gRPC channels (HTTP/2 connections) the calls are spread over, for "
-                   "--protocol grpc")
+    p.add_argument("--channels", type=int, default=1,
+                   help="gRPC channels, each an HTTP/2 connection of its own, the calls are "
+                   "spread over, for --protocol grpc (a tritonclient.grpc client is one)")
     p.add_argument("--binary", action="store_true",
                    help="use the v2 binary tensor extension (HTTP; gRPC is always raw)")
     p.add_argument("--rows", type=int, default=1,

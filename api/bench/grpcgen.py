@@ -2,12 +2,12 @@
 
 The gRPC side of `batchserve.api.bench.loadgen`, measured the same way: every send time is
 drawn before the run (`batchserve.api.bench.traffic`) and a call's latency runs from it, so a
-stalled server shows in the latencies. Calls go out on `grpc.aio` over a few channels (each
-one HTTP/2 connection that carries any number of calls at once), the request serialized once
-and sent as bytes. A failed call is recorded under the HTTP status of the same decision
-(`batchserve.api.client.grpc_codec.http_status`: UNAVAILABLE is 503, ...), with its reason
-and `retry-after` read from its trailing metadata, so the report reads as HTTP's does; a call
-still unanswered `drain_timeout` after the last send is a timeout.
+stalled server shows in the latencies. Calls go out on `grpc.aio` over one channel or a few,
+each an HTTP/2 connection of its own that carries any number of calls at once, the request
+serialized once and sent as bytes. A failed call is recorded under the HTTP status of the
+same decision (`batchserve.api.client.grpc_codec.http_status`: UNAVAILABLE is 503, ...), with
+its reason and `retry-after` read from its trailing metadata, so the report reads as HTTP's
+does; a call still unanswered `drain_timeout` after the last send is a timeout.
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ from .load_result import TIMEOUT, TRANSPORT_ERROR, LoadResult, Sends, status_nam
 from .loadgen import Progress
 from .traffic import Pattern, schedule
 
-__all__ = ["run_grpc_load"]
+__all__ = ["OWN_CONNECTION", "run_grpc_load"]
+
+OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
+"""Channel options that give a channel a connection of its own: by default grpcio's channels
+to one address share a single connection, so several would still be one."""
 
 
 class _GrpcRun:
@@ -104,7 +108,7 @@ async def run_grpc_load(
     rate: float,
     seconds: float,
     seed: int = 0,
-    channels: int = 8,
+    channels: int = 1,
     *,
     drain_timeout: float = 10.0,
     slo_ms: float = 100.0,
@@ -112,10 +116,10 @@ async def run_grpc_load(
     progress: Callable[[Progress], None] | None = None,
 ) -> LoadResult:
     """Call `ModelInfer` with `body` (a serialized request) on `target` (HOST:PORT) at
-    arrivals of `pattern` (mean `rate`/s) for `seconds`, over `channels` channels."""
+    arrivals of `pattern` (mean `rate`/s) for `seconds`, over `channels` connections."""
     if channels < 1:
         raise ValueError(f"channels must be at least 1, got {channels}")
-    opened = [grpc.aio.insecure_channel(target) for _ in range(channels)]
+    opened = [grpc.aio.insecure_channel(target, options=OWN_CONNECTION) for _ in range(channels)]
     calls = [channel.unary_unary(METHODS["ModelInfer"]) for channel in opened]
     run = _GrpcRun(schedule(rate, seconds, seed, pattern), calls, seconds + drain_timeout)
     cpu0 = time.process_time()
