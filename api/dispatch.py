@@ -52,6 +52,7 @@ from ..runner.core.wire import (
     Outbox,
     Ping,
     Result,
+    Results,
     Started,
     WireError,
     decode,
@@ -179,20 +180,29 @@ class Link(asyncio.BufferedProtocol):
                 if isinstance(message, Backlog):
                     self.backlog.hear(message, self.heard)
                     continue
-                waiting = self.pending.pop(message.id, None)
-                if waiting is None:
+                if isinstance(message, Results):
+                    for answer in message.answers():
+                        self._answered(answer)
                     continue
-                refused = self._refused_unstarted(message)
-                self.started.discard(message.id)
-                _tell(waiting.answer, NotStarted(
-                    f"runner {self.runner!r} at {self.address} is stopping and did not "
-                    "run the request; retry shortly", 1.0, "draining") if refused else message)
+                self._answered(message)
             if not self.pending:
                 self._disarm()
             self._settle()
         except WireError as exc:
             log.error("runner %s at %s sent a bad frame: %s", self.runner, self.address, exc)
             self.close()
+
+    def _answered(self, message: Message) -> None:
+        """A call's answer, told to its waiter; unless the call was refused unstarted by a
+        draining process, which another process may run."""
+        waiting = self.pending.pop(message.id, None)
+        if waiting is None:
+            return
+        refused = self._refused_unstarted(message)
+        self.started.discard(message.id)
+        _tell(waiting.answer, NotStarted(
+            f"runner {self.runner!r} at {self.address} is stopping and did not "
+            "run the request; retry shortly", 1.0, "draining") if refused else message)
 
     def _refused_unstarted(self, message: Message) -> bool:
         """A draining runner refused a call that never went to its model: another process

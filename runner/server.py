@@ -45,9 +45,11 @@ from .core.wire import (
     Ping,
     Pong,
     Result,
+    Results,
     Started,
     Welcome,
     WireError,
+    batched,
     decode,
     encode,
     tune,
@@ -81,6 +83,7 @@ class Connection(asyncio.BufferedProtocol):
         self.heard = time.monotonic()
         self._overdue: asyncio.TimerHandle | None = None
         self._starting: list[int] = []
+        self._answers: list[Result] = []  # this turn's, written as one frame at its end
         self._publish = False  # publish the backlog with the next write
         self.calls = False  # it has sent calls: an API worker, which the backlog is for
         self.local = True  # the API worker runs on this machine: its CPU and clock are ours
@@ -207,8 +210,10 @@ class Connection(asyncio.BufferedProtocol):
         if isinstance(result, Rejection):
             self._send(Failure(ident, result.code, result.message, result.retry_after_s,
                                result.predicted_s, result.deadline_s, result.rows_ahead))
-        else:
-            self._send(Result(ident, result, spare_s))
+        elif self.transport is not None and self.outbox is not None:
+            self._answers.append(Result(ident, result, spare_s))
+            self._publish = True
+            self.outbox.wake()
 
     def _started(self, ident: int) -> None:
         """Gather the calls a batch starts into one Started frame, written with whatever
@@ -225,11 +230,14 @@ class Connection(asyncio.BufferedProtocol):
             self._publish = True
             self.outbox.wake()
 
-    def _last_words(self) -> list[Started | Backlog]:
-        """What goes last in each write: the calls whose batch started, and with answers or
-        a batch's start, the backlog (`Dispatcher.admission`), so the API worker refuses in
-        place."""
-        words: list[Started | Backlog] = []
+    def _last_words(self) -> list[Result | Results | Started | Backlog]:
+        """What goes last in each write: this turn's answers, in one frame where they line up
+        (a batch's, `batched`), the calls whose batch started, and with answers or a batch's
+        start, the backlog (`Dispatcher.admission`), so the API worker refuses in place."""
+        words: list[Result | Results | Started | Backlog] = []
+        if self._answers:
+            words += batched(self._answers, self.runner.batch_dim[1])
+            self._answers = []
         if self._starting:
             words.append(Started(tuple(self._starting)))
             self._starting = []
@@ -240,9 +248,9 @@ class Connection(asyncio.BufferedProtocol):
                                  admission.row_s, admission.request_rows, admission.next_rows))
         return words
 
-    def _send(self, message: Result | Failure | Started | Pong | Welcome) -> None:
+    def _send(self, message: Failure | Pong | Welcome) -> None:
         if self.transport is not None and self.outbox is not None:
-            if isinstance(message, Result | Failure):
+            if isinstance(message, Failure):
                 self._publish = True
             self.outbox.put(message)
 

@@ -21,7 +21,9 @@ from batchserve.runner.core.wire import (
     FailureCode,
     Outbox,
     Result,
+    Results,
     Started,
+    batched,
     encode,
 )
 
@@ -96,7 +98,7 @@ def connected_link(name: str = "unix:/tmp/m.sock") -> tuple[Link, WritingTranspo
     return link, transport
 
 
-def hear(link: Link, message: Result | Failure | Started) -> None:
+def hear(link: Link, message: Result | Results | Failure | Started) -> None:
     """The runner's frame arriving on the link's connection."""
     data = b"".join(bytes(chunk) for chunk in encode(message))
     buffer = link.get_buffer(len(data))
@@ -156,6 +158,33 @@ def test_a_caller_is_told_how_long_before_its_deadline_the_runners_batch_ended()
     (answer, spare_s), (failure, no_spare_s) = asyncio.run(scenario())
     assert list(answer) == ["y"] and spare_s == 0.0125  # type: ignore[call-overload]
     assert isinstance(failure, RunnerFailure) and no_spare_s == 0.0
+
+
+def test_a_batchs_answers_in_one_frame_reach_each_caller_with_its_rows_and_spare() -> None:
+    async def scenario() -> tuple[list[tuple[int, object, float]], Link]:
+        link, _ = connected_link()
+        told: list[tuple[int, object, float]] = []
+        for index in range(3):
+            link.send(lambda ident: Call(ident, 5.0, 1, {}),
+                      lambda outcome, i=index: told.append((i, outcome, -1.0)),
+                      time.monotonic() + 5)
+        first, second, third = list(link.pending)
+        answers = [Result(ident, {"y": np.full((rows, 2), ident, np.float32)}, spare)
+                   for ident, rows, spare in ((third, 1, 0.03), (first, 2, 0.01),
+                                              (second, 1, 0.02))]
+        (frame,) = batched(answers, 0)
+        hear(link, frame)  # type: ignore[arg-type]
+        return told, link
+
+    told, link = asyncio.run(scenario())
+    assert not link.pending and link._expiry is None
+    by_caller = {index: outcome for index, outcome, _ in told}
+    assert sorted(by_caller) == [0, 1, 2]
+    for index, outcome in by_caller.items():
+        assert isinstance(outcome, Result)
+        assert outcome.tensors["y"].shape == ((2, 2) if index == 0 else (1, 2))
+        assert (outcome.tensors["y"] == outcome.id).all()  # its own rows, not a neighbour's
+    assert [by_caller[i].spare_s for i in range(3)] == [0.01, 0.02, 0.03]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("started", [False, True])

@@ -21,7 +21,19 @@ import pytest
 import tritonclient.grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchserve.runner.core.wire import PROTOCOL_VERSION, Failure, FailureCode, FrameSocket, Hello
+from batchserve.runner.core.handshake import answer
+from batchserve.runner.core.wire import (
+    PROTOCOL_VERSION,
+    Call,
+    Failure,
+    FailureCode,
+    FrameSocket,
+    Hello,
+    Result,
+    Results,
+    Welcome,
+    encode,
+)
 from tests.conftest import BATCHSERVE, START_S, Server, free_port, start_server, wait_for
 
 RUNNER = """
@@ -212,6 +224,36 @@ def test_a_hello_of_another_version_is_refused_and_closed(runner: Runner) -> Non
     # The runner logs the refusal as it closes; its log is read on another thread.
     wait_for(lambda: runner.logged(f"protocol version {PROTOCOL_VERSION + 1}"), 30,
              "the runner to log the refused version")
+
+
+def test_a_batchs_answers_come_back_to_its_connection_in_one_frame(folder: Path) -> None:
+    # Eight calls in one write are read together and run as one batch (or a few): however
+    # many answers a batch has for a connection, they come in one frame, not one each.
+    plain = start_runner(write(folder, "plain.yml", "transport: {insecure: true}"))
+    try:
+        host, port = plain.address.removeprefix("tcp:").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as connection:
+            frames = FrameSocket(connection)
+            frames.send(answer(frames.receive(), "iris_clf", None))
+            assert isinstance(frames.receive(), Welcome)
+            rows = {ident: np.array([ROWS[ident % 2]], np.float32) for ident in range(1, 9)}
+            connection.sendall(b"".join(bytes(chunk) for ident, x in rows.items()
+                                        for chunk in encode(Call(ident, 5.0, 1, {"input": x}))))
+            answered: dict[int, np.ndarray] = {}
+            carrying = 0  # frames that carry answers
+            while len(answered) < len(rows):
+                message = frames.receive()
+                if isinstance(message, Results | Result):
+                    carrying += 1
+                    for one in message.answers() if isinstance(message, Results) else [message]:
+                        answered[one.id] = one.tensors["scores"]
+        batches = metric(httpx.get(f"{plain.status}/metrics").text, "batchserve_batches_total")
+    finally:
+        stop_runner(plain)
+    assert sorted(answered) == sorted(rows)
+    assert all(scores.shape == (1, 3) for scores in answered.values())
+    np.testing.assert_array_equal(answered[2], answered[4])  # the same row, the same scores
+    assert 1 <= carrying == batches < len(rows), (carrying, batches)
 
 
 # --- TLS ---------------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ from batchserve.runner.core.wire import (
     Ping,
     Pong,
     Result,
+    Results,
     WireError,
+    batched,
     decode,
     encode,
 )
@@ -67,6 +69,54 @@ def test_a_result_says_how_long_before_its_deadline_its_batch_ended() -> None:
         result = round_trip(Result(4, {"y": np.ones(2, np.float32)}, spare_s))
         assert isinstance(result, Result) and result.spare_s == spare_s
         assert result.tensors["y"].ctypes.data % 8 == 0  # still aligned behind the longer head
+
+
+def test_a_batchs_answers_travel_in_one_frame_and_come_back_as_they_went() -> None:
+    # What a batch of three requests (2, 1 and 3 rows) answers: views of its outputs, with a
+    # ragged output of any length per request and BYTES beside them.
+    y = np.arange(24, dtype=np.float32).reshape(6, 4)
+    words = np.array([b"a", b"", b"ccc", "ü".encode(), b"e", b"f"], dtype=object)
+    ragged = [np.arange(n, dtype=np.int64) for n in (3, 0, 5)]
+    answers = [Result(ident, {"y": y[start:end], "w": words[start:end], "ids": ids}, spare)
+               for ident, start, end, ids, spare in ((11, 0, 2, ragged[0], 0.01),
+                                                     (12, 2, 3, ragged[1], -0.002),
+                                                     (13, 3, 6, ragged[2], 0.0))]
+    (frame,) = batched(answers, 0)
+    assert isinstance(frame, Results) and frame.lengths == ((2, 1, 3), (2, 1, 3), (3, 0, 5))
+    read = round_trip(frame)
+    assert isinstance(read, Results)
+    back = read.answers()
+    assert [(a.id, a.spare_s) for a in back] == [(11, 0.01), (12, -0.002), (13, 0.0)]
+    for sent, got in zip(answers, back, strict=True):
+        assert list(got.tensors) == ["y", "w", "ids"]
+        for name, array in sent.tensors.items():
+            np.testing.assert_array_equal(got.tensors[name], array)
+            assert got.tensors[name].dtype == array.dtype
+    assert back[0].tensors["y"].base is not None  # a view into the frame, not a copy
+
+
+def test_answers_that_do_not_line_up_go_in_frames_of_their_own() -> None:
+    one = Result(1, {"y": np.ones((1, 4), np.float32)}, 0.0)
+    wider = Result(2, {"y": np.ones((1, 5), np.float32)}, 0.0)
+    other_dtype = Result(3, {"y": np.ones((1, 4), np.float64)}, 0.0)
+    other_name = Result(4, {"z": np.ones((1, 4), np.float32)}, 0.0)
+    for pair in ([one, wider], [one, other_dtype], [one, other_name]):
+        assert batched(pair, 0) == pair
+    assert batched([one], 0) == [one]
+    assert batched([one, one], 2) == [one, one]  # no dimension 2 to join them on
+    (joined,) = batched([one, Result(5, {"y": np.ones((2, 4), np.float32)}, 0.0)], 0)
+    assert isinstance(joined, Results) and joined.lengths == ((1, 2),)
+    columns = [Result(6, {"y": np.ones((3, 1))}, 0.0), Result(7, {"y": np.zeros((3, 2))}, 0.0)]
+    (along_1,) = batched(columns, 1)
+    back = round_trip(along_1).answers()  # type: ignore[attr-defined]
+    assert [a.tensors["y"].shape for a in back] == [(3, 1), (3, 2)]
+    assert back[1].tensors["y"].sum() == 0
+
+
+def test_results_whose_lengths_do_not_add_up_are_refused() -> None:
+    frame = Results((1, 2), (0.0, 0.0), ((1, 2),), 0, {"y": np.ones((4, 2), np.float32)})
+    with pytest.raises(WireError, match=r"does not hold answers of lengths \[1, 2\]"):
+        round_trip(frame)
 
 
 def test_non_contiguous_arrays_are_sent_in_row_major_order() -> None:

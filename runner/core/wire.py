@@ -12,11 +12,13 @@ names a unix socket or a TCP endpoint (optionally under TLS) on another host.
                | (u16 length | utf-8)[groups]
                | tensor*                                         (API -> runner)
     Result  := f64 spare_s | u16 count | tensor*                    (runner -> API)
+    Results := u32 answers | u8 dim | u16 count | u64 ids[answers] | f64 spare_s[answers]
+               | i64 lengths[count][answers] | tensor*               (runner -> API; id 0)
     Failure := u8 code | f64 retry_after_s | f64 predicted_s | f64 deadline_s
                | u32 rows_ahead | utf-8 text                       (runner -> API)
     Started := u32 count | u64 call_ids[count]                      (runner -> API; id 0)
     Backlog := f64 wait_s | f64 drain_s | f64 row_s | f64 request_rows | u32 rows_ahead
-                                                                    (runner -> API; id 0)
+               | u32 next_rows                                      (runner -> API; id 0)
     Ping, Pong := (empty)
     Hello   := u16 version | u32 max_batch_size | u8 name_len | name | nonce[32]
                | u8 proof_len | proof                  (both ways, first; id 0)
@@ -56,6 +58,7 @@ _HEAD = struct.Struct("<BQ")
 _CALL = struct.Struct("<ddddIHB")
 _GROUP_VALUE = struct.Struct("<H")
 _RESULT = struct.Struct("<dH")
+_RESULTS = struct.Struct("<IBH")
 _FAILURE = struct.Struct("<BdddI")
 _STARTED = struct.Struct("<I")
 _BACKLOG = struct.Struct("<ddddII")
@@ -68,8 +71,9 @@ NONCE_BYTES = 32
 # 5: a Failure carries the prediction a refusal was made on; 6: a Call carries its API
 # worker's cost; 7: a Call carries when it was sent, and a runner publishes its Backlog;
 # 8: a Result carries how long before its deadline its batch ended; 9: a Backlog carries
-# how many rows the next batch takes
-PROTOCOL_VERSION = 9
+# how many rows the next batch takes; 10: a batch's answers to one connection go in one
+# Results frame
+PROTOCOL_VERSION = 10
 _DTYPES = list(DATATYPES.values())
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 MAX_FRAME = 1 << 31
@@ -89,6 +93,7 @@ class Kind(enum.IntEnum):
     HELLO = 7
     WELCOME = 8
     BACKLOG = 9
+    RESULTS = 10
 
 
 class FailureCode(enum.IntEnum):
@@ -142,6 +147,60 @@ class Result:
     id: int
     tensors: Tensors
     spare_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Results:
+    """The answers of one batch to one connection, in one frame: each answer's part of every
+    output, one after another along the output batch dimension `dim`, `lengths[t][a]` long
+    in tensor `t` for answer `a`. A batch's answers are framed, written and read once, not
+    once each (`batched` makes one); `answers` cuts it back into Results, views, not copies.
+    """
+
+    ids: tuple[int, ...]
+    spares: tuple[float, ...]
+    lengths: tuple[tuple[int, ...], ...]
+    dim: int
+    tensors: Tensors
+    id: int = 0
+
+    def answers(self) -> list[Result]:
+        lead = (slice(None),) * self.dim
+        found = [Result(ident, {}, spare)
+                 for ident, spare in zip(self.ids, self.spares, strict=True)]
+        for (name, array), lengths in zip(self.tensors.items(), self.lengths, strict=True):
+            end = 0
+            for result, length in zip(found, lengths, strict=True):
+                result.tensors[name] = array[(*lead, slice(end, end + length))]
+                end += length
+        return found
+
+
+def batched(results: list[Result], dim: int) -> list[Result | Results]:
+    """Answers to one connection as few frames as can carry them: one `Results` when every
+    answer has the same outputs, of the same dtypes and shapes but along `dim` (a batch's
+    answers, split from its outputs); else each in its own frame."""
+    if len(results) < 2:
+        return list(results)
+    first = results[0].tensors
+    lengths: list[tuple[int, ...]] = []
+    for name, array in first.items():
+        if array.ndim <= dim:
+            return list(results)
+        rest = array.shape[:dim] + array.shape[dim + 1:]
+        along = []
+        for result in results:
+            other = result.tensors.get(name)
+            if (other is None or len(result.tensors) != len(first) or other.dtype != array.dtype
+                    or other.shape[:dim] + other.shape[dim + 1:] != rest
+                    or other.ndim != array.ndim):
+                return list(results)
+            along.append(other.shape[dim])
+        lengths.append(tuple(along))
+    tensors = {name: np.concatenate([result.tensors[name] for result in results], axis=dim)
+               for name in first}
+    return [Results(tuple(result.id for result in results),
+                    tuple(result.spare_s for result in results), tuple(lengths), dim, tensors)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +281,8 @@ class Welcome:
     id: int = 0
 
 
-Message = Call | Result | Failure | Started | Backlog | Ping | Pong | Hello | Welcome
+Message = (Call | Result | Results | Failure | Started | Backlog | Ping | Pong | Hello
+           | Welcome)
 Chunks = list[bytes | memoryview]
 
 
@@ -300,6 +360,13 @@ def encode(message: Message) -> Chunks:
     elif isinstance(message, Result):
         head = _HEAD.pack(Kind.RESULT, message.id) + _RESULT.pack(
             message.spare_s, len(message.tensors))
+        size = _tensors_chunks(message.tensors, len(head), out)
+    elif isinstance(message, Results):
+        count, tensors = len(message.ids), len(message.tensors)
+        head = _HEAD.pack(Kind.RESULTS, message.id) + _RESULTS.pack(
+            count, message.dim, tensors) + struct.pack(
+            f"<{count}Q{count}d{count * tensors}q", *message.ids, *message.spares,
+            *(length for lengths in message.lengths for length in lengths))
         size = _tensors_chunks(message.tensors, len(head), out)
     else:
         head = _plain_head(message)
@@ -461,6 +528,22 @@ def _read_bytes(
     return array.reshape(shape), offset
 
 
+def _read_results(body: bytearray, offset: int, ident: int) -> Results:
+    answers, dim, count = _RESULTS.unpack_from(body, offset)
+    offset += _RESULTS.size
+    numbers = struct.unpack_from(f"<{answers}Q{answers}d{answers * count}q", body, offset)
+    offset += 8 * len(numbers)
+    lengths = tuple(tuple(numbers[2 * answers + t * answers: 2 * answers + (t + 1) * answers])
+                    for t in range(count))
+    tensors = _read_tensors(body, offset, count)
+    for (name, array), along in zip(tensors.items(), lengths, strict=True):
+        if array.ndim <= dim or min(along, default=0) < 0 or sum(along) != array.shape[dim]:
+            raise WireError(f"tensor {name!r} with shape {list(array.shape)} does not hold "
+                            f"answers of lengths {list(along)} along dimension {dim}")
+    return Results(numbers[:answers], numbers[answers: 2 * answers], lengths, dim, tensors,
+                   ident)
+
+
 def decode(body: bytearray) -> Message:
     """One frame body as a message; tensors are writable views into `body`."""
     try:
@@ -474,6 +557,8 @@ def decode(body: bytearray) -> Message:
         if kind == Kind.RESULT:
             spare, count = _RESULT.unpack_from(body, offset)
             return Result(ident, _read_tensors(body, offset + _RESULT.size, count), spare)
+        if kind == Kind.RESULTS:
+            return _read_results(body, offset, ident)
         if kind == Kind.FAILURE:
             code, retry, predicted, deadline, ahead = _FAILURE.unpack_from(body, offset)
             text = bytes(body[offset + _FAILURE.size :]).decode(errors="replace")
