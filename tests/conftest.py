@@ -135,8 +135,8 @@ def serve(tmp_path: Path) -> Iterator[object]:
 
 @pytest.fixture(scope="module")
 def bundled() -> Iterator[Server]:
-    """The bundled configuration with two API workers, shared by a module's tests."""
-    server = start_server(ROOT / "configuration.yml", "--api-workers", "2")
+    """The bundled configuration as it is (one API worker), shared by a module's tests."""
+    server = start_server(ROOT / "configuration.yml")
     yield server
     server.stop()
 
