@@ -1,7 +1,7 @@
-"""batchserve itself on the bundled ``configuration.yml``: two API workers, the ``mlp`` runner.
+"""batchserve itself on the bundled ``configuration.yml``, the ``mlp`` runner.
 
-The runner's batching (``max_batch_size: 64``, ``max_latency_ms: 100``, one torch thread) is
-the configuration file's own; nothing here changes it.
+The API workers (one) and the runner's batching (``max_batch_size: 64``, ``max_latency_ms:
+100``, one torch thread) are the configuration file's own; nothing here changes them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _answer(reply: Json) -> list[float]:
 def _argv(python: str, port: int) -> list[str]:
     script = str(Path(python).with_name("batchserve"))
     config = str(ROOT / "configuration.yml")
-    return [script, "serve", "--config", config, "--port", str(port), "--api-workers", "2"]
+    return [script, "serve", "--config", config, "--port", str(port)]
 
 
 PEER = Peer(
@@ -33,6 +33,7 @@ PEER = Peer(
     body=_body,
     answer=_answer,
     argv=_argv,
-    batching="configuration.yml: max_batch_size: 64, max_latency_ms: 100 (adaptive)",
+    batching="configuration.yml: max_batch_size: 64, max_latency_ms: 100 (adaptive), "
+             "1 API worker",
     own_venv=False,
 )

@@ -84,7 +84,7 @@ def _settings(best: tuple[int, int] | None) -> str:
         "|---|---|",
         "| batchserve | `configuration.yml`: `tokenize` max_batch_size 64, max_latency_ms 50; "
         "`text` max_batch_size 64, max_batch_elements 4096, max_latency_ms 100, one torch "
-        "thread; pipeline `classify` max_latency_ms 100; two API workers |",
+        "thread; pipeline `classify` max_latency_ms 100; one API worker |",
         f"| mosec | {mosec}; the same tokenizer and model code, one torch thread |",
     ])
 

@@ -1,6 +1,6 @@
 """The two servers of the comparison, started fresh and checked, and what is sent to them.
 
-batchserve runs on the bundled `configuration.yml` (two API workers, no gRPC door) and
+batchserve runs on the bundled `configuration.yml` (its one API worker, no gRPC door) and
 serves the pipeline `classify` and its steps `tokenize` and `text`; mosec runs
 `mosec_classify.py` from its own venv (`.peers/mosec/`), importing batchserve's model code
 through the peers' shim. Each must first answer the request with the scores the model
@@ -85,7 +85,7 @@ def _environment(own_venv: bool) -> dict[str, str]:
 def _batchserve_argv(python: str, port: int) -> list[str]:
     script = str(Path(python).with_name("batchserve"))
     return [script, "serve", "--config", str(ROOT / "configuration.yml"), "--port", str(port),
-            "--api-workers", "2", "--grpc-port", "0"]
+            "--grpc-port", "0"]
 
 
 def _batchserve_step1(scrape: Scrape) -> tuple[float, float]:
