@@ -1,6 +1,6 @@
 """Where a request's CPU goes in batchserve: per step, per process kind, at a given rate.
 
-Starts the real server on the bundled ``configuration.yml`` (two API workers, the ``mlp``
+Starts the real server on the bundled ``configuration.yml`` (its API workers, the ``mlp``
 runner), drives it with the open-loop client at each rate and, during the same window, samples
 every server process with ``py-spy record --subprocesses``. Each process's CPU time (from
 ``/proc``) is split among the steps in proportion to its non-idle samples, then divided by
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
-    serve_args = argparse.Namespace(port=0, config=ROOT / "configuration.yml", api_workers=2,
+    serve_args = argparse.Namespace(port=0, config=ROOT / "configuration.yml", api_workers=None,
                                     ready_timeout=120.0)
     tables, plain, windows = {}, {}, {}
     with serve(serve_args, args.out / "server.log", cwd=ROOT) as (base, root), \

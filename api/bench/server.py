@@ -50,12 +50,14 @@ def serve(args: argparse.Namespace, log: Path, *, cwd: Path,
           env: Mapping[str, str] | None = None, extra: Sequence[str] = ()
           ) -> Iterator[tuple[str, int]]:
     """Start ``batchserve serve`` in folder ``cwd`` with ``args.config``, ``args.port`` (0: a
-    free one), ``args.api_workers``, ``args.ready_timeout`` and the options ``extra``
+    free one), ``args.api_workers`` (None: the file's), ``args.ready_timeout`` and ``extra``
     (``--grpc-port P``), its output to ``log``, in environment ``env`` (default: this
     process's); yield (base URL, supervisor pid); SIGTERM it after."""
     port = args.port or free_port()
     cmd = batchserve_command() + ["serve", "--config", str(args.config), "--port", str(port)]
-    cmd += ["--api-workers", str(args.api_workers), *extra]
+    if args.api_workers is not None:
+        cmd += ["--api-workers", str(args.api_workers)]
+    cmd += extra
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env)
