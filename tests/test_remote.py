@@ -4,6 +4,7 @@ handshake's refusals, all with real processes; a gRPC call takes the same TLS li
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import signal
@@ -21,7 +22,10 @@ import pytest
 import tritonclient.grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from batchserve.api.http.app import create_app
+from batchserve.runner.core.config import load
 from batchserve.runner.core.handshake import answer
+from batchserve.runner.core.security import credentials
 from batchserve.runner.core.wire import (
     PROTOCOL_VERSION,
     Call,
@@ -184,6 +188,28 @@ def test_a_runner_alone_serves_an_api_only_front(
     text = httpx.get(runner.status + "/metrics").text
     assert metric(text, "batchserve_batches_total", runner="iris_clf") >= 1
     assert metric(text, "batchserve_runner_starts_total", runner="iris_clf") == 1
+
+
+def test_an_api_worker_starts_serving_only_once_its_runner_link_is_through(
+    runner: Runner, folder: Path
+) -> None:
+    """A worker that reported ready while its link was still shaking hands answered its first
+    requests 503 (`unreachable`): a supervisor whose other worker died then served 503s."""
+    path = write(folder, "starting.yml", "transport: {token_file: token}",
+                 f"addresses: [{runner.address}]")
+    config = load(path)
+    app = create_app(config, {"iris_clf": config.runners["iris_clf"].addresses},
+                     credentials(config))
+
+    async def first_request() -> httpx.Response:
+        async with app.routes.router.lifespan_context(app.routes):  # the worker's start-up
+            assert app.service.pools["iris_clf"].ready
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                return await client.post("/v2/models/iris_clf/infer", json=BODY)
+
+    answer = asyncio.run(first_request())
+    assert answer.status_code == 200, answer.text
 
 
 @pytest.mark.parametrize(("transport", "why"), [

@@ -48,7 +48,8 @@ def test_a_killed_api_worker_is_replaced_while_the_other_keeps_serving(serve: ob
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
     for _ in range(20):  # the surviving worker answers; the port never closes
         with server.client() as client:
-            assert client.post("/v2/models/busy/infer", json=body).status_code == 200
+            answer = client.post("/v2/models/busy/infer", json=body)
+            assert answer.status_code == 200, answer.text
 
     def replaced() -> bool:
         now = [pid for pid in server.children() if b"\0-m\0batchserve.api.worker\0" in cmdline(pid)]

@@ -17,7 +17,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
@@ -30,10 +31,11 @@ from starlette.types import Receive, Scope, Send
 
 from ...runner.core.config import Config, RunnerConfig
 from ...runner.core.security import Credentials
+from ...runner.core.timeouts import Timeouts
 from ...runner.core.wire import Address
 from ...runner.metrics import SECONDS_BUCKETS, registry
 from .. import protocol, statistics, triton
-from ..dispatch import NO_KEYS
+from ..dispatch import NO_KEYS, Pool
 from ..errors import (
     BadRequest,
     BatchserveError,
@@ -137,6 +139,17 @@ class App:
             await self.routes(scope, receive, send)
 
 
+async def _linked(pools: Iterable[Pool], within_s: float) -> None:
+    """Wait until every runner has a connected process, for `within_s` at most: a worker
+    that reported ready before its links had passed their handshakes answered its first
+    requests 503 (`unreachable`). A runner still down after that is the readiness check's
+    to report, and this worker serves the others meanwhile."""
+    pools = list(pools)
+    deadline = time.monotonic() + within_s
+    while not all(pool.ready for pool in pools) and time.monotonic() < deadline:  # noqa: ASYNC110 - to a deadline
+        await asyncio.sleep(Timeouts.POLL_S)
+
+
 def create_app(config: Config, addresses: Mapping[str, Sequence[Address]],
                keys: Credentials = NO_KEYS) -> App:
     """The API application over runner processes at `addresses` (runner name -> list),
@@ -147,6 +160,7 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]],
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         for pool in service.pools.values():
             pool.start()
+        await _linked(service.pools.values(), config.timeouts.hello_timeout_s)
         service.publish()
         watcher = asyncio.create_task(watch(
             service.shedder, lambda: service.busy, service.arrived, record=loop_lag.observe,

@@ -79,7 +79,8 @@ class Timeouts:
     answer, so that side should be the client's, which knows whether it is about to send."""
     hello_timeout_s: float = 5.0
     """How long either end of a new runner connection waits for the other's handshake before
-    closing it, so a silent or foreign peer holds nothing for long."""
+    closing it, so a silent or foreign peer holds nothing for long; and the longest an API
+    worker waits at start for a connection to each runner before it reports serving."""
     link_idle_s: float = 10.0
     """After this long with nothing heard from a runner, an API worker pings it, and drops the
     connection (and reconnects) when the ping is not answered within `ping_timeout_s`; a
