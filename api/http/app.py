@@ -18,7 +18,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
@@ -35,7 +35,7 @@ from ...runner.core.timeouts import Timeouts
 from ...runner.core.wire import Address
 from ...runner.metrics import SECONDS_BUCKETS, registry
 from .. import protocol, statistics, triton
-from ..dispatch import NO_KEYS, Pool
+from ..dispatch import NO_KEYS
 from ..errors import (
     BadRequest,
     BatchserveError,
@@ -139,14 +139,14 @@ class App:
             await self.routes(scope, receive, send)
 
 
-async def _linked(pools: Iterable[Pool], within_s: float) -> None:
-    """Wait until every runner has a connected process, for `within_s` at most: a worker
-    that reported ready before its links had passed their handshakes answered its first
-    requests 503 (`unreachable`). A runner still down after that is the readiness check's
-    to report, and this worker serves the others meanwhile."""
-    pools = list(pools)
+async def _linked(service: Service, within_s: float) -> None:
+    """Wait until the service is ready (every runner has a connected process, as
+    `/v2/health/ready` says), for `within_s` at most: a worker that reported serving before
+    its links had passed their handshakes answered its first requests 503 (`unreachable`).
+    A runner still down after that is the readiness check's to report, and this worker
+    serves the others meanwhile."""
     deadline = time.monotonic() + within_s
-    while not all(pool.ready for pool in pools) and time.monotonic() < deadline:  # noqa: ASYNC110 - to a deadline
+    while not service.ready and time.monotonic() < deadline:  # noqa: ASYNC110 - to a deadline
         await asyncio.sleep(Timeouts.POLL_S)
 
 
@@ -160,7 +160,7 @@ def create_app(config: Config, addresses: Mapping[str, Sequence[Address]],
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         for pool in service.pools.values():
             pool.start()
-        await _linked(service.pools.values(), config.timeouts.hello_timeout_s)
+        await _linked(service, config.timeouts.hello_timeout_s)
         service.publish()
         watcher = asyncio.create_task(watch(
             service.shedder, lambda: service.busy, service.arrived, record=loop_lag.observe,
