@@ -2,7 +2,9 @@
 
 Every worker listens on the server's port on a socket of its own, bound with `SO_REUSEPORT`
 beside the others' (the supervisor holds the port, `batchserve.api.ports`), so the kernel
-spreads connections over the workers and a worker can be replaced alone.
+spreads connections over the workers and a worker can be replaced alone. It accepts them
+itself, every one waiting at each wake (`batchserve.api.http.acceptor`), not one a turn of its
+event loop as uvloop's server does.
 
 Inference requests are answered by `batchserve.api.http.connection`, uvicorn's HTTP protocol with
 the inference route taken off its ASGI path; the worker's main loop sleeps until a signal
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -36,6 +39,7 @@ from ..runner.core.timeouts import Timeouts
 from ..runner.core.wire import Address
 from . import ports
 from .grpc.server import GrpcServer
+from .http.acceptor import Acceptor
 from .http.app import App, create_app
 from .http.connection import protocol_for
 
@@ -61,7 +65,12 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.signalled = asyncio.Event()
-        await super().startup(sockets)
+        await super().startup([])  # the lifespan, and no server: the sockets are ours
+        # Each connection made as uvicorn's startup makes it for the servers it creates.
+        protocol = functools.partial(
+            self.config.http_protocol_class,  # type: ignore[call-arg]
+            config=self.config, server_state=self.server_state, app_state=self.lifespan.state)
+        self.servers += [Acceptor(sock, protocol) for sock in sockets or ()]  # type: ignore[misc]
         if self.grpc is not None and not self.should_exit:
             await self.grpc.start()
         gc.freeze()  # start-up's objects live as long as the worker: out of the collector's way

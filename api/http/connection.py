@@ -28,7 +28,7 @@ import httptools
 import uvicorn.protocols.http.httptools_impl as httptools_impl
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-from uvicorn.server import ServerState
+from uvicorn.server import Server, ServerState
 
 from .. import service as inference
 from ..errors import PayloadTooLarge
@@ -62,8 +62,11 @@ def missing_internals() -> list[str]:
     missing += [f"HttpToolsProtocol.{name}" for name in STATE if not hasattr(protocol, name)]
     missing += [f"ServerState.{name}" for name in ("default_headers",)
                 if not hasattr(state, name)]
-    missing += [f"Config.{name}" for name in ("date_header", "encoded_headers")
+    missing += [f"Config.{name}" for name in ("date_header", "encoded_headers",
+                                              "http_protocol_class", "lifespan_class")
                 if not hasattr(config, name)]
+    server = Server(config)  # the worker builds its connections as uvicorn's startup does
+    missing += [f"Server.{name}" for name in ("server_state",) if not hasattr(server, name)]
     return missing
 
 

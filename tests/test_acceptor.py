@@ -1,0 +1,154 @@
+"""A worker takes every connection waiting at one wake, not one per turn of its event loop.
+
+Counted in turns of a real uvloop loop: a callback that schedules itself again runs once a
+turn. A busy worker's turn is 10 to 20 ms, so a turn a connection is a second for a client's
+pool of a hundred."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import uvicorn
+import uvloop
+
+from batchserve.api.http.acceptor import Acceptor
+from batchserve.api.worker import DrainingServer
+
+WAITING = 300
+"""Connections opened while nobody accepts: the kernel completes them and queues them."""
+
+
+def _listening() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    return sock
+
+
+def _open_pool(sock: socket.socket) -> list[socket.socket]:
+    return [socket.create_connection(sock.getsockname(), timeout=10) for _ in range(WAITING)]
+
+
+class _Turns:
+    """Counts turns of the running loop until `until()` holds."""
+
+    def __init__(self, until: Callable[[], bool]) -> None:
+        self.until = until
+        self.count = 0
+        self.done = asyncio.get_running_loop().create_future()
+
+    def tick(self) -> None:
+        if self.until():
+            self.done.set_result(self.count)
+            return
+        self.count += 1
+        if self.count > 10 * WAITING:
+            self.done.set_exception(AssertionError("the connections were never accepted"))
+            return
+        asyncio.get_running_loop().call_soon(self.tick)
+
+    async def wait(self) -> int:
+        self.tick()
+        return await asyncio.wait_for(self.done, 30)
+
+
+def _run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main())
+
+
+class _Counted(asyncio.Protocol):
+    """A connection that says when it is made, and no more."""
+
+    def __init__(self, made: list[asyncio.BaseTransport]) -> None:
+        self.made = made
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.made.append(transport)
+
+
+def _close(transports: list[asyncio.BaseTransport]) -> None:
+    for transport in transports:
+        transport.close()
+
+
+def test_a_pool_opened_at_once_is_accepted_within_a_few_turns() -> None:
+    sock = _listening()
+    pool = _open_pool(sock)  # all queued before the loop looks
+    made: list[asyncio.BaseTransport] = []
+
+    async def main() -> int:
+        acceptor = Acceptor(sock, lambda: _Counted(made))
+        turns = await _Turns(lambda: len(made) == WAITING).wait()
+        acceptor.close()
+        await acceptor.wait_closed()
+        _close(made)
+        return turns
+
+    try:
+        turns = _run(main)
+    finally:
+        for client in pool:
+            client.close()
+        sock.close()
+    assert turns <= 4, f"{turns} turns to take {WAITING} waiting connections"
+
+
+def test_uvloops_own_server_takes_a_turn_a_connection() -> None:
+    # Why the acceptor exists: libuv accepts one connection per turn of the loop. If this
+    # fails, uvloop accepts in bursts again and the acceptor may go.
+    sock = _listening()
+    pool = _open_pool(sock)
+    made: list[asyncio.BaseTransport] = []
+
+    async def main() -> int:
+        server = await asyncio.get_running_loop().create_server(lambda: _Counted(made), sock=sock)
+        turns = await _Turns(lambda: len(made) == WAITING).wait()
+        server.close()
+        _close(made)
+        return turns
+
+    try:
+        turns = _run(main)
+    finally:
+        for client in pool:
+            client.close()
+    assert turns >= WAITING // 2, f"uvloop took {WAITING} connections in {turns} turns"
+
+
+async def _hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"hello"})
+
+
+def test_the_worker_serves_its_socket_through_the_acceptor() -> None:
+    sock = _listening()
+    config = uvicorn.Config(_hello, lifespan="off", loop="none", log_level="warning")
+    config.load()
+    server = DrainingServer(config, app=None, drain_s=1.0)  # type: ignore[arg-type]
+    server.lifespan = config.lifespan_class(config)
+    pool = _open_pool(sock)
+
+    async def main() -> int:
+        await server.startup([sock])
+        try:
+            assert [type(s) for s in server.servers] == [Acceptor]
+            turns = await _Turns(lambda: len(server.server_state.connections) == WAITING).wait()
+            pool[-1].sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = await asyncio.to_thread(pool[-1].recv, 4096)
+            assert answer.startswith(b"HTTP/1.1 200") and b"hello" in answer, answer
+        finally:
+            server.should_exit = server.force_exit = True
+            await server.shutdown([sock])
+        return turns
+
+    try:
+        turns = _run(main)
+    finally:
+        for client in pool:
+            client.close()
+    assert turns <= 4, f"{turns} turns to take {WAITING} waiting connections"
+    assert sock.fileno() == -1  # closed at shutdown, as uvicorn closes the sockets it serves
