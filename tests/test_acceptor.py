@@ -7,13 +7,17 @@ pool of a hundred."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import socket
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import pytest
 import uvicorn
 import uvloop
 
+from batchserve.api.http import acceptor as acceptor_module
 from batchserve.api.http.acceptor import Acceptor
 from batchserve.api.worker import DrainingServer
 
@@ -63,11 +67,13 @@ def _run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
 class _Counted(asyncio.Protocol):
     """A connection that says when it is made, and no more."""
 
-    def __init__(self, made: list[asyncio.BaseTransport]) -> None:
-        self.made = made
+    def __init__(self, made: list[asyncio.BaseTransport],
+                 told: Callable[[], None] = lambda: None) -> None:
+        self.made, self.told = made, told
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.made.append(transport)
+        self.told()
 
 
 def _close(transports: list[asyncio.BaseTransport]) -> None:
@@ -152,3 +158,58 @@ def test_the_worker_serves_its_socket_through_the_acceptor() -> None:
             client.close()
     assert turns <= 4, f"{turns} turns to take {WAITING} waiting connections"
     assert sock.fileno() == -1  # closed at shutdown, as uvicorn closes the sockets it serves
+
+
+class _Failing:
+    """A listening socket whose next accepts fail with `errors`, in turn."""
+
+    def __init__(self, sock: socket.socket, errors: list[OSError]) -> None:
+        self.sock, self.errors, self.failed = sock, errors, 0
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if self.errors:
+            self.failed += 1
+            raise self.errors.pop(0)
+        return self.sock.accept()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+@pytest.mark.parametrize("error", [
+    ConnectionAbortedError(errno.ECONNABORTED, "a client left while it waited"),
+    OSError(errno.EMFILE, "out of file descriptors"),
+])
+def test_a_failed_accept_loses_no_other_connection(
+    error: OSError, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(acceptor_module, "PAUSE_S", 0.01)
+    sock = _listening()
+    clients = [socket.create_connection(sock.getsockname(), timeout=10) for _ in range(3)]
+    made: list[asyncio.BaseTransport] = []
+    failing = _Failing(sock, [error])
+
+    async def main() -> int:
+        all_made = asyncio.Event()
+
+        def told() -> None:
+            if len(made) == len(clients):
+                all_made.set()
+
+        acceptor = Acceptor(failing, lambda: _Counted(made, told))  # type: ignore[arg-type]
+        await asyncio.wait_for(all_made.wait(), 10)
+        acceptor.close()
+        _close(made)
+        return 0
+
+    with caplog.at_level(logging.WARNING, "batchserve.api"):
+        try:
+            _run(main)
+        finally:
+            for client in clients:
+                client.close()
+            sock.close()
+    assert failing.failed == 1 and len(made) == len(clients)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    paused = [r.getMessage() for r in caplog.records if "paused" in r.getMessage()]
+    assert len(paused) == (1 if error.errno == errno.EMFILE else 0), paused

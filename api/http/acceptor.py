@@ -53,12 +53,15 @@ class Acceptor:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except ConnectionAbortedError:  # the client left while it waited
+                continue
             except OSError as exc:
-                if exc.errno not in OUT_OF_FILES:
-                    raise
-                log.warning("accepting connections paused for %g s: %s", PAUSE_S, exc)
-                self.loop.remove_reader(self.sock.fileno())
-                self.loop.call_later(PAUSE_S, self._resume)
+                if exc.errno in OUT_OF_FILES:  # the queue keeps them meanwhile
+                    log.warning("accepting connections paused for %g s: %s", PAUSE_S, exc)
+                    self.loop.remove_reader(self.sock.fileno())
+                    self.loop.call_later(PAUSE_S, self._resume)
+                else:
+                    log.error("accepting a connection failed: %s", exc)
                 return
             self._open(conn)
 
@@ -75,6 +78,9 @@ class Acceptor:
             await self.loop.connect_accepted_socket(self.protocol, conn)
         except OSError as exc:  # the client left before it was served
             log.debug("an accepted connection failed: %s", exc)
+            conn.close()
+        except Exception:
+            log.exception("serving an accepted connection failed")
             conn.close()
 
     def _resume(self) -> None:
