@@ -153,18 +153,18 @@ def options(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.pipeline_peers",
                                      description=__doc__.split("\n\n")[0] if __doc__ else "")
     rates = lambda text: [float(x) for x in text.split(",") if x]  # noqa: E731
-    parser.add_argument("--rates", type=rates, default=[50.0, 500.0, 1200.0, 2000.0])
+    parser.add_argument("--rates", type=rates, default=[50.0, 500.0, 1200.0, 2000.0, 3000.0])
     parser.add_argument("--low-rate", type=float, default=50.0)
     parser.add_argument("--sweep-rates", type=rates, default=[1200.0, 2000.0])
     parser.add_argument("--sweep-seconds", type=float, default=5.0)
-    parser.add_argument("--knee", type=float, default=1000.0,
+    parser.add_argument("--knee", type=float, default=1500.0,
                         help="where the pipeline's goodput stops following the offered rate "
                         "on this machine (a run with --only pipeline finds it)")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--warmup-rate", type=float, default=200.0)
     parser.add_argument("--warmup-seconds", type=float, default=3.0)
     parser.add_argument("--drain-s", type=float, default=5.0)
-    parser.add_argument("--budget-s", type=float, default=480.0,
+    parser.add_argument("--budget-s", type=float, default=900.0,
                         help="start no new server past this many seconds; run again to go on")
     parser.add_argument("--json", type=Path, default=ROOT / "docs" / "pipeline_peers.json")
     parser.add_argument("--fresh", action="store_true", help="forget what --json holds")
