@@ -10,7 +10,7 @@ import asyncio
 import errno
 import logging
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import pytest
@@ -32,8 +32,15 @@ def _listening() -> socket.socket:
     return sock
 
 
-def _open_pool(sock: socket.socket) -> list[socket.socket]:
-    return [socket.create_connection(sock.getsockname(), timeout=10) for _ in range(WAITING)]
+@pytest.fixture
+def queued() -> Iterator[tuple[socket.socket, list[socket.socket]]]:
+    """A listening socket and the `WAITING` connections queued on it, none accepted yet."""
+    sock = _listening()
+    pool = [socket.create_connection(sock.getsockname(), timeout=10) for _ in range(WAITING)]
+    yield sock, pool
+    for client in pool:
+        client.close()
+    sock.close()
 
 
 class _Turns:
@@ -81,9 +88,9 @@ def _close(transports: list[asyncio.BaseTransport]) -> None:
         transport.close()
 
 
-def test_a_pool_opened_at_once_is_accepted_within_a_few_turns() -> None:
-    sock = _listening()
-    pool = _open_pool(sock)  # all queued before the loop looks
+def test_a_pool_opened_at_once_is_accepted_within_a_few_turns(
+        queued: tuple[socket.socket, list[socket.socket]]) -> None:
+    sock, _ = queued
     made: list[asyncio.BaseTransport] = []
 
     async def main() -> int:
@@ -94,20 +101,15 @@ def test_a_pool_opened_at_once_is_accepted_within_a_few_turns() -> None:
         _close(made)
         return turns
 
-    try:
-        turns = _run(main)
-    finally:
-        for client in pool:
-            client.close()
-        sock.close()
+    turns = _run(main)
     assert turns <= 4, f"{turns} turns to take {WAITING} waiting connections"
 
 
-def test_uvloops_own_server_takes_a_turn_a_connection() -> None:
+def test_uvloops_own_server_takes_a_turn_a_connection(
+        queued: tuple[socket.socket, list[socket.socket]]) -> None:
     # Why the acceptor exists: libuv accepts one connection per turn of the loop. If this
     # fails, uvloop accepts in bursts again and the acceptor may go.
-    sock = _listening()
-    pool = _open_pool(sock)
+    sock, _ = queued
     made: list[asyncio.BaseTransport] = []
 
     async def main() -> int:
@@ -117,11 +119,7 @@ def test_uvloops_own_server_takes_a_turn_a_connection() -> None:
         _close(made)
         return turns
 
-    try:
-        turns = _run(main)
-    finally:
-        for client in pool:
-            client.close()
+    turns = _run(main)
     assert turns >= WAITING // 2, f"uvloop took {WAITING} connections in {turns} turns"
 
 
@@ -130,13 +128,13 @@ async def _hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"hello"})
 
 
-def test_the_worker_serves_its_socket_through_the_acceptor() -> None:
-    sock = _listening()
+def test_the_worker_serves_its_socket_through_the_acceptor(
+        queued: tuple[socket.socket, list[socket.socket]]) -> None:
+    sock, pool = queued
     config = uvicorn.Config(_hello, lifespan="off", loop="none", log_level="warning")
     config.load()
     server = DrainingServer(config, app=None, drain_s=1.0)  # type: ignore[arg-type]
     server.lifespan = config.lifespan_class(config)
-    pool = _open_pool(sock)
 
     async def main() -> int:
         await server.startup([sock])
@@ -151,11 +149,7 @@ def test_the_worker_serves_its_socket_through_the_acceptor() -> None:
             await server.shutdown([sock])
         return turns
 
-    try:
-        turns = _run(main)
-    finally:
-        for client in pool:
-            client.close()
+    turns = _run(main)
     assert turns <= 4, f"{turns} turns to take {WAITING} waiting connections"
     assert sock.fileno() == -1  # closed at shutdown, as uvicorn closes the sockets it serves
 
@@ -181,11 +175,11 @@ class _Failing:
     OSError(errno.EMFILE, "out of file descriptors"),
 ])
 def test_a_failed_accept_loses_no_other_connection(
-    error: OSError, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    error: OSError, queued: tuple[socket.socket, list[socket.socket]],
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(acceptor_module, "PAUSE_S", 0.01)
-    sock = _listening()
-    clients = [socket.create_connection(sock.getsockname(), timeout=10) for _ in range(3)]
+    sock, clients = queued
     made: list[asyncio.BaseTransport] = []
     failing = _Failing(sock, [error])
 
@@ -203,12 +197,7 @@ def test_a_failed_accept_loses_no_other_connection(
         return 0
 
     with caplog.at_level(logging.WARNING, "batchserve.api"):
-        try:
-            _run(main)
-        finally:
-            for client in clients:
-                client.close()
-            sock.close()
+        _run(main)
     assert failing.failed == 1 and len(made) == len(clients)
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     paused = [r.getMessage() for r in caplog.records if "paused" in r.getMessage()]
