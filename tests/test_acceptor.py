@@ -202,3 +202,47 @@ def test_a_failed_accept_loses_no_other_connection(
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     paused = [r.getMessage() for r in caplog.records if "paused" in r.getMessage()]
     assert len(paused) == (1 if error.errno == errno.EMFILE else 0), paused
+
+
+class _Reset:
+    """An accepted connection the client reset before it was handed over."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn, self.closed = conn, False
+
+    def setsockopt(self, *args: Any) -> None:
+        raise ConnectionResetError(errno.ECONNRESET, "reset by the client")
+
+    def close(self) -> None:
+        self.closed = True
+        self.conn.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+
+def test_a_connection_reset_before_it_is_served_is_closed_and_the_rest_are_made(
+    queued: tuple[socket.socket, list[socket.socket]], caplog: pytest.LogCaptureFixture,
+) -> None:
+    sock, clients = queued
+    made: list[asyncio.BaseTransport] = []
+    reset: list[_Reset] = []
+
+    class First(_Failing):
+        def accept(self) -> tuple[socket.socket, Any]:
+            conn, address = self.sock.accept()
+            if not reset:
+                reset.append(_Reset(conn))
+                return reset[0], address  # type: ignore[return-value]
+            return conn, address
+
+    async def main() -> int:
+        acceptor = Acceptor(First(sock, []), lambda: _Counted(made))  # type: ignore[arg-type]
+        turns = await _Turns(lambda: len(made) == len(clients) - 1).wait()
+        acceptor.close()
+        _close(made)
+        return turns
+
+    turns = _run(main)
+    assert reset[0].closed and len(made) == len(clients) - 1 and turns <= 4
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]

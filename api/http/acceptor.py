@@ -63,7 +63,11 @@ class Acceptor:
                 else:
                     log.error("accepting a connection failed: %s", exc)
                 return
-            self._open(conn)
+            try:
+                self._open(conn)
+            except OSError as exc:  # reset before it was handed over
+                log.debug("an accepted connection failed: %s", exc)
+                conn.close()
 
     def _open(self, conn: socket.socket) -> None:
         conn.setblocking(False)
