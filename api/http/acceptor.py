@@ -63,24 +63,17 @@ class Acceptor:
                 else:
                     log.error("accepting a connection failed: %s", exc)
                 return
-            try:
-                self._open(conn)
-            except OSError as exc:  # reset before it was handed over
-                log.debug("an accepted connection failed: %s", exc)
-                conn.close()
-
-    def _open(self, conn: socket.socket) -> None:
-        conn.setblocking(False)
-        if conn.family in (socket.AF_INET, socket.AF_INET6):
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        task = self.loop.create_task(self._serve(conn))
-        self.opening.add(task)
-        task.add_done_callback(self.opening.discard)
+            task = self.loop.create_task(self._serve(conn))
+            self.opening.add(task)
+            task.add_done_callback(self.opening.discard)
 
     async def _serve(self, conn: socket.socket) -> None:
         try:
+            conn.setblocking(False)
+            if conn.family in (socket.AF_INET, socket.AF_INET6):
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await self.loop.connect_accepted_socket(self.protocol, conn)
-        except OSError as exc:  # the client left before it was served
+        except OSError as exc:  # the client left or reset before it was served
             log.debug("an accepted connection failed: %s", exc)
             conn.close()
         except Exception:
