@@ -322,7 +322,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, default=ROOT / "configuration.yml")
     p.add_argument("--processes", default="1,2", help="numbers of mlp runner processes")
-    p.add_argument("--api-workers", type=int, default=2)
+    p.add_argument("--api-workers", type=int, default=None,
+                   help="API worker processes (default: the configuration's)")
     p.add_argument("--clients", default="batchserve,fastload",
                    help="some of batchserve, fastload, loadgen")
     p.add_argument("--read-rate", type=float, default=800.0)
