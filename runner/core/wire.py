@@ -79,6 +79,11 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 MAX_FRAME = 1 << 31
 
 
+# The messages below are read-only by convention, not frozen: a frozen dataclass sets each
+# field through object.__setattr__, five times the cost of a plain one, and a request makes
+# several of them on each side of the wire.
+
+
 class WireError(ValueError):
     """A frame that does not follow the format: the connection cannot be trusted further."""
 
@@ -111,7 +116,7 @@ class FailureCode(enum.IntEnum):
 
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Call:
     """Run `tensors`, `rows` along the input batch dimension (1 for a request of ragged or
     pad inputs: one sequence), within `budget_s` seconds.
@@ -138,7 +143,7 @@ class Call:
     free, see `batchserve.runner.server`) keeps the deadline it was sent with."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Result:
     """A call's outputs, and how long before the call's deadline its batch ended (`spare_s`,
     on the runner's clock; negative: after). The caller adds how late past its own deadline
@@ -149,7 +154,7 @@ class Result:
     spare_s: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Results:
     """The answers of one batch to one connection, in one frame: each answer's part of every
     output, one after another along the output batch dimension `dim`, `lengths[t][a]` long
@@ -203,7 +208,7 @@ def batched(results: list[Result], dim: int) -> list[Result | Results]:
                     tuple(result.spare_s for result in results), tuple(lengths), dim, tensors)]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Failure:
     """A call answered without tensors, and when to try again (`retry_after_s`: for a
     refusal, the time the runner's backlog needs, see `batchserve.runner.core.retry`). A
@@ -220,7 +225,7 @@ class Failure:
     rows_ahead: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Started:
     """These calls' batches went to the model: a call not named here had not started when a
     connection drops, so its caller may send it to another process of the runner."""
@@ -229,7 +234,7 @@ class Started:
     id: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Backlog:
     """What a runner publishes with its answers, so an API worker can refuse in place what the
     runner would refuse: `wait_s`, how long a one-row request arriving now is predicted to
@@ -250,17 +255,17 @@ class Backlog:
     id: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Ping:
     id: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pong:
     id: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Hello:
     """The first frame each way: who speaks, what it speaks, and a fresh nonce; the API's
     also carries its proof of the shared token (empty without one)."""
@@ -273,7 +278,7 @@ class Hello:
     id: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Welcome:
     """The runner accepts the API's Hello; `proof` shows it holds the token too."""
 
