@@ -68,10 +68,10 @@ IDLE_RPS = 1e-4
 republished once they show it."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Rejection:
     """A request answered without tensors, and why; a refusal also says what it was judged on
-    (see `wire.Failure`)."""
+    (see `wire.Failure`). Not frozen: overload makes one for every request it refuses."""
 
     code: FailureCode
     message: str

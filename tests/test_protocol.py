@@ -551,6 +551,8 @@ def test_range_refusals(datatype: str, data: list[Any], message: str) -> None:
         ("INT64", [-(2**63), 2**63 - 1, 0]),
         ("FP32", [2**70, 0, -1]),  # beyond int64, yet a fine FP32
         ("FP16", [65504, -65504, 0.5]),
+        # Each within FP32, their squares' sum past the limit's square: the exact check says.
+        ("FP32", [1.5 * 2.0**127, -1.5 * 2.0**127, 1.5 * 2.0**127]),
     ],
 )
 def test_values_at_the_edge_of_a_range_are_exact(datatype: str, data: list[Any]) -> None:

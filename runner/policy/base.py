@@ -35,8 +35,9 @@ the cap (`full`), the oldest request could wait no longer (`deadline`), a waitin
 out (`window`), or the adaptive cap cut the batch (`cap`)."""
 
 
-# Request and Batch are read-only by convention, not frozen: a frozen dataclass sets each
-# field through object.__setattr__, five times the cost of a plain one, once a request.
+# The records below are read-only by convention, not frozen: a frozen dataclass sets each
+# field through object.__setattr__, five times the cost of a plain one, and a request, a
+# poll or a batch makes one or more of them.
 @dataclass(slots=True)
 class Request:
     """A queued request as a policy sees it: times are seconds on the injected clock."""
@@ -68,7 +69,7 @@ class Batch:
         self.rows = sum(request.rows for request in self.requests)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Step:
     """What to do now: run `batch` (if any), refuse `expired` (their deadline passed, or
     their batch would surely end past it) and `refused` (let go before their deadline so
@@ -80,7 +81,7 @@ class Step:
     refused: tuple[Request, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Refusal:
     """Why a policy refused a request, as it predicted: when the request would have finished
     (on the clock, at the high quantile) and how many rows were ahead of it; and in how many
@@ -91,7 +92,7 @@ class Refusal:
     retry_after_s: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Admission:
     """What a one-row request offered now would be judged on: how long it is predicted to
     take (at the high quantile, as `offer` admits on; 0 where `offer` refuses nothing) and
@@ -111,7 +112,7 @@ class Admission:
 NO_ADMISSION = Admission()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PolicyStats:
     window_s: float
     cap: int
