@@ -79,9 +79,9 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 MAX_FRAME = 1 << 31
 
 
-# The messages below are read-only by convention, not frozen: a frozen dataclass sets each
-# field through object.__setattr__, five times the cost of a plain one, and a request makes
-# several of them on each side of the wire.
+# A request's own messages (Call, Result, Failure) are read-only by convention, not frozen:
+# a frozen dataclass sets each field through object.__setattr__, five times the cost of a
+# plain one, and a request makes one of each kind it meets on both sides of the wire.
 
 
 class WireError(ValueError):
@@ -154,7 +154,7 @@ class Result:
     spare_s: float
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Results:
     """The answers of one batch to one connection, in one frame: each answer's part of every
     output, one after another along the output batch dimension `dim`, `lengths[t][a]` long
@@ -225,7 +225,7 @@ class Failure:
     rows_ahead: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Started:
     """These calls' batches went to the model: a call not named here had not started when a
     connection drops, so its caller may send it to another process of the runner."""
@@ -234,7 +234,7 @@ class Started:
     id: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Backlog:
     """What a runner publishes with its answers, so an API worker can refuse in place what the
     runner would refuse: `wait_s`, how long a one-row request arriving now is predicted to
@@ -255,17 +255,17 @@ class Backlog:
     id: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Ping:
     id: int
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Pong:
     id: int
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Hello:
     """The first frame each way: who speaks, what it speaks, and a fresh nonce; the API's
     also carries its proof of the shared token (empty without one)."""
@@ -278,7 +278,7 @@ class Hello:
     id: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Welcome:
     """The runner accepts the API's Hello; `proof` shows it holds the token too."""
 

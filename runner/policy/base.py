@@ -35,9 +35,8 @@ the cap (`full`), the oldest request could wait no longer (`deadline`), a waitin
 out (`window`), or the adaptive cap cut the batch (`cap`)."""
 
 
-# The records below are read-only by convention, not frozen: a frozen dataclass sets each
-# field through object.__setattr__, five times the cost of a plain one, and a request, a
-# poll or a batch makes one or more of them.
+# Read-only by convention, not frozen: made for every request, and a frozen dataclass sets
+# each field through object.__setattr__, five times the cost of a plain one.
 @dataclass(slots=True)
 class Request:
     """A queued request as a policy sees it: times are seconds on the injected clock."""
@@ -54,7 +53,7 @@ class Request:
     dispatcher admitted the whole request, so a policy takes every piece (see `offer`)."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Batch:
     """Requests released together, why, and the high-quantile time the policy predicted for
     them (0 for a policy without a latency model), so the prediction can be checked."""
@@ -66,10 +65,10 @@ class Batch:
     """Its requests' rows, summed once: every arrival while it runs is judged on them."""
 
     def __post_init__(self) -> None:
-        self.rows = sum(request.rows for request in self.requests)
+        object.__setattr__(self, "rows", sum(request.rows for request in self.requests))
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Step:
     """What to do now: run `batch` (if any), refuse `expired` (their deadline passed, or
     their batch would surely end past it) and `refused` (let go before their deadline so
@@ -81,7 +80,7 @@ class Step:
     refused: tuple[Request, ...] = ()
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Refusal:
     """Why a policy refused a request, as it predicted: when the request would have finished
     (on the clock, at the high quantile) and how many rows were ahead of it; and in how many
@@ -92,7 +91,7 @@ class Refusal:
     retry_after_s: float = 0.0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Admission:
     """What a one-row request offered now would be judged on: how long it is predicted to
     take (at the high quantile, as `offer` admits on; 0 where `offer` refuses nothing) and
@@ -112,7 +111,7 @@ class Admission:
 NO_ADMISSION = Admission()
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PolicyStats:
     window_s: float
     cap: int
