@@ -186,6 +186,9 @@ class Service:
             (name, reason, door): Count(unavailable_total.labels(name, reason, door))
             for name in self.models for reason in UNAVAILABLE_REASONS for door in PROTOCOLS
         }
+        # Those holding counts not yet written: a flush visits these, not all of the above
+        # (a hundred on the bundled file), as it runs after every answer of an idle worker.
+        self._unwritten: list[Tally | Count] = []
         # Called with every publish and at a stop: the gRPC door's health statuses.
         self.listeners: list[Callable[[], None]] = []
         self._decoder: ThreadPoolExecutor | None = None  # made for the first large JSON body
@@ -326,6 +329,8 @@ class Service:
         if status != 503:
             if status != 200:
                 tally.flush()
+            elif tally.count == 1:
+                self._unwritten.append(tally)
             return
         count = self._unavailable.get((runner, reason, door))
         if count is None:  # a 503 raised without a reason of its own
@@ -336,6 +341,8 @@ class Service:
         if reason not in FLOODS:
             tally.flush()
             count.flush()
+            return
+        self._unwritten += [held for held in (tally, count) if held.count == 1]
 
     @property
     def shedding(self) -> bool:
@@ -348,10 +355,9 @@ class Service:
     def flush(self) -> None:
         """Write every answer tallied since the last flush to the metrics: whenever no request
         is in flight, and every `Timeouts.PUBLISH_S` while busy (`publish`)."""
-        for tally in self._answers.values():
-            tally.flush()
-        for count in self._unavailable.values():
-            count.flush()
+        unwritten, self._unwritten = self._unwritten, []
+        for held in unwritten:
+            held.flush()
 
 
 class Exchange:

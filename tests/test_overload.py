@@ -291,3 +291,43 @@ def test_the_retrying_comparison_accounts_for_every_request(serve: object) -> No
         assert outcome.sent - fresh <= met, outcome.retry_after
         assert "queue" in outcome.retry_after, outcome.retry_after
         assert retrying.table([outcome]).count("\n| ") == 1
+
+
+def test_a_flush_writes_every_answer_held_since_the_last_and_a_rare_one_goes_at_once() -> None:
+    """200s and the worker's own overload 503s are tallied in the process and written in bulk
+    by `flush`, which visits only what was tallied since the last one; any other 503 is
+    written at once, so a scrape right after it counts it."""
+    from prometheus_client import REGISTRY
+
+    config = parse(__import__("yaml").safe_load(limits(100)))
+    service = create_app(config, {}).service
+
+    def counts() -> tuple[float, ...]:
+        value = REGISTRY.get_sample_value
+        return tuple(value(name, labels) or 0.0 for name, labels in (
+            ("batchserve_requests_total", {"runner": "mlp0", "code": "200", "protocol": "http"}),
+            ("batchserve_requests_total", {"runner": "mlp0", "code": "503", "protocol": "http"}),
+            ("batchserve_unavailable_total",
+             {"runner": "mlp0", "reason": "front", "protocol": "http"}),
+            ("batchserve_unavailable_total",
+             {"runner": "mlp0", "reason": "queue", "protocol": "http"})))
+
+    def moved(before: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(now - then for now, then in zip(counts(), before, strict=True))
+
+    start = counts()
+    started = time.monotonic()
+    for _ in range(3):
+        service.observe("mlp0", 200, started, "")
+    for _ in range(2):
+        service.observe("mlp0", 503, started, "front")
+    assert moved(start) == (0, 0, 0, 0)
+    # The runner's refusal is written at once, with the 503s held before it.
+    service.observe("mlp0", 503, started, "queue")
+    assert moved(start) == (0, 3, 0, 1)
+    service.flush()
+    assert moved(start) == (3, 3, 2, 1)
+    service.flush()  # nothing new: nothing moves
+    service.observe("mlp0", 200, started, "")
+    service.flush()
+    assert moved(start) == (4, 3, 2, 1)
