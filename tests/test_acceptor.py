@@ -172,6 +172,8 @@ class _Failing:
 
 @pytest.mark.parametrize("error", [
     ConnectionAbortedError(errno.ECONNABORTED, "a client left while it waited"),
+    OSError(errno.EPROTO, "a protocol error on the waiting connection"),
+    OSError(errno.EHOSTUNREACH, "the waiting connection's host is unreachable"),
     OSError(errno.EMFILE, "out of file descriptors"),
 ])
 def test_a_failed_accept_loses_no_other_connection(

@@ -30,6 +30,12 @@ connections already open are read in between."""
 PAUSE_S = 1.0
 """How long accepting pauses when the process is out of file descriptors."""
 OUT_OF_FILES = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
+CONNECTION_GONE = frozenset(getattr(errno, name) for name in (
+    "ECONNABORTED", "EPROTO", "ENOPROTOOPT", "ENETDOWN", "ENETUNREACH", "EHOSTDOWN",
+    "EHOSTUNREACH", "ENONET", "EOPNOTSUPP") if hasattr(errno, name))
+"""What Linux's accept(2) reports of the waiting connection itself (a client that left, a
+network error its handshake met), which it asks to be taken as EAGAIN for that connection:
+the next one may be fine."""
 
 
 class Acceptor:
@@ -53,9 +59,10 @@ class Acceptor:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except ConnectionAbortedError:  # the client left while it waited
-                continue
             except OSError as exc:
+                if exc.errno in CONNECTION_GONE:
+                    log.debug("a waiting connection failed before it was accepted: %s", exc)
+                    continue
                 if exc.errno in OUT_OF_FILES:  # the queue keeps them meanwhile
                     log.warning("accepting connections paused for %g s: %s", PAUSE_S, exc)
                     self.loop.remove_reader(self.sock.fileno())
