@@ -43,7 +43,7 @@ def sequences(tokens: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
     return make
 
 
-def rows(count: int) -> tuple[torch.Tensor, ...]:
+def mlp_rows(count: int) -> tuple[torch.Tensor, ...]:
     rng = np.random.default_rng(count)
     return (torch.from_numpy(rng.random((count, 256), dtype=np.float32)),)
 
@@ -102,7 +102,7 @@ def main() -> None:
         curve(f"encoder, {args.tokens} tokens a sequence", Encoder(), sequences(args.tokens),
               sizes, args.repeats, idle_s)
     if "mlp" in chosen:
-        curve("mlp", mlp(), rows, sizes, args.repeats, idle_s)  # type: ignore[arg-type]
+        curve("mlp", mlp(), mlp_rows, sizes, args.repeats, idle_s)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
