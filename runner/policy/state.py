@@ -58,6 +58,9 @@ class Waiting:
     """The largest cap a waiting request was admitted on: a batch keeps it until they are out."""
     next_rows: int = 0
     """Rows promised to the next batch, past the cap (`AdaptivePolicy._stretch_next`)."""
+    closed: int = 0
+    """The rows the next batch was closed at, when a request that would have made it end
+    past a member's deadline was admitted to the batch after instead (0: open)."""
     probe: int = -1
     """The id of the last request an idle model admitted on its cost curve alone."""
     ordered: bool = True
