@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -267,6 +268,40 @@ def test_a_joiner_the_members_cannot_take_runs_in_the_batch_after() -> None:
     policy.complete(step.batch, now, now + 0.0055)
     wake_at = policy.poll(now + 0.0055).wake_at  # a new window, opened by the joiner
     assert wake_at is not None and wake_at + 0.0055 <= joiner.deadline
+    assert policy.poll(wake_at) == Step(batch=Batch((joiner,), "window"))
+
+
+def least_deadline(policy: AdaptivePolicy, now: float) -> float:
+    """The earliest deadline a one-row request arriving now is admitted with (to 10 µs)."""
+    low, high = now, now + SLO
+    while high - low > 1e-5:
+        middle = (low + high) / 2
+        admitted = copy.deepcopy(policy).offer(Request(-1, 1, now, middle), now)
+        low, high = (low, middle) if admitted else (middle, high)
+    return high
+
+
+def test_the_batch_after_a_closed_one_closes_as_well_when_its_members_need_it() -> None:
+    """A batch still queued behind a closed one may run out of time too (the batch on the
+    model overruns): it closes the same way, and each closed batch goes as it stands."""
+    policy = adaptive()
+    lone, _ = held(policy)
+    now = lone.deadline - 0.0058
+    tight = Request(42, 1, now, least_deadline(policy, now) + 0.0002)
+    assert policy.offer(tight, now)  # closes the batch of `lone`; just in time in the next
+    joiner = request(43, now, rows=2)
+    assert policy.offer(joiner, now)  # would end `tight`'s batch late: closes that one too
+    batches = []
+    for _ in range(2):
+        step = policy.poll(now)
+        assert step.batch is not None and step.batch.reason == "deadline"
+        batches.append(step.batch.requests)
+        now += 0.0055
+        policy.complete(step.batch, now - 0.0055, now)
+    assert batches == [(lone,), (tight,)]
+    assert now <= tight.deadline
+    wake_at = policy.poll(now).wake_at
+    assert wake_at is not None
     assert policy.poll(wake_at) == Step(batch=Batch((joiner,), "window"))
 
 

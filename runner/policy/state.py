@@ -58,9 +58,12 @@ class Waiting:
     """The largest cap a waiting request was admitted on: a batch keeps it until they are out."""
     next_rows: int = 0
     """Rows promised to the next batch, past the cap (`AdaptivePolicy._stretch_next`)."""
-    closed: int = 0
-    """The rows the next batch was closed at, when a request that would have made it end
-    past a member's deadline was admitted to the batch after instead (0: open)."""
+    closed: deque[int] = field(default_factory=deque)
+    """The sizes of the batches at the head of the queue that no arrival may join, in order:
+    each was closed when a request that would have made it end past a member's deadline
+    was admitted to the batch after instead (`AdaptivePolicy._close_next`)."""
+    closed_rows: int = 0
+    """Their rows in all."""
     probe: int = -1
     """The id of the last request an idle model admitted on its cost curve alone."""
     ordered: bool = True
@@ -88,6 +91,24 @@ class Waiting:
             del self.group_rows[request.group]
         if not self.requests:
             self.ordered = True
+            self.closed.clear()
+            self.closed_rows = 0
+
+    def close(self) -> int:
+        """Close the open batch at the back of the queue; its rows (0 if there were none)."""
+        rows = self.rows - self.closed_rows
+        if rows > 0:
+            self.closed.append(rows)
+            self.closed_rows += rows
+        return rows
+
+    def take_closed(self) -> int:
+        """The size the next batch was closed at (0 if it is open), no longer closed."""
+        if not self.closed:
+            return 0
+        rows = self.closed.popleft()
+        self.closed_rows -= rows
+        return rows
 
     def earliest(self, group: tuple[str, ...], rows: int) -> float:
         """The earliest deadline among `group`'s newest requests holding `rows` rows: those
