@@ -278,6 +278,8 @@ class AdaptivePolicy:
         batch behind those closed closes: a request for a later one has no member there.
         """
         waiting = self._waiting
+        if self._stalled(now):
+            return False  # no batch after a stall is sure enough to promise more to
         if not waiting.only(request.group):
             return False  # another group's batch is next
         room = max(self.cap, waiting.next_rows) if not waiting.closed else self.cap
@@ -287,7 +289,7 @@ class AdaptivePolicy:
             return False  # no member to keep: nothing to close
         plan = self._plan(request.rows, now, request.group)
         if self._promise(plan, now, request.deadline) > request.deadline:
-            waiting.closed_rows -= waiting.closed.pop()
+            waiting.reopen()
             return False
         self._epoch += 1
         self._bound = None
@@ -794,8 +796,8 @@ class AdaptivePolicy:
     def _learn_span(self, span_s: float, requests: int) -> None:
         """Learn from a batch of `requests` held its whole window, whose first and last came
         `span_s` apart, how long a hold the traffic fills (`_span_bound_s`): that span and two
-        of the gaps between its arrivals more, no time at all if none came after the first."""
-        bound_s = span_s * (requests + 1) / (requests - 1) if requests > 1 else 0.0
+        of the gaps between its arrivals more."""
+        bound_s = span_s * (requests + 1) / (requests - 1)
         if self._hold_bound_s == math.inf:
             self._hold_bound_s = bound_s
         else:
@@ -892,7 +894,7 @@ class AdaptivePolicy:
             waiting.held_cap = self.cap
         if not taken:
             return None, tuple(dropped)
-        if held:
+        if held and len(taken) >= 3:  # fewer say little of how the traffic comes
             self._learn_span(latest - taken[0].arrival, len(taken))
         batch = Batch(tuple(taken), reason, fit.high(rows))
         busy = self._busy

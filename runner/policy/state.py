@@ -102,6 +102,10 @@ class Waiting:
             self.closed_rows += rows
         return rows
 
+    def reopen(self) -> None:
+        """Undo the last `close`."""
+        self.closed_rows -= self.closed.pop()
+
     def take_closed(self) -> int:
         """The size the next batch was closed at (0 if it is open), no longer closed."""
         if not self.closed:
