@@ -447,7 +447,7 @@ class AdaptivePolicy:
         first = max(cap, waiting.next_rows) if alone else cap
         ahead, batches = 0.0, 0
         if waiting.closed and alone:
-            for size in waiting.closed:  # a few at most, and only while one runs late
+            for size in waiting.closed:  # a few at most: closed batches go when the model frees
                 closed_s = intercept_s + slope_s * size
                 sums.add(closed_s, 1, size)
                 ahead, batches = ahead + closed_s, batches + 1
