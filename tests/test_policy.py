@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import heapq
 import math
 from pathlib import Path
 
@@ -378,52 +377,6 @@ def test_under_load_a_short_hold_gathers_batches_that_amortise_their_fixed_cost(
     assert {batch.reason for _, batch in later} <= {"idle", "window"}
     # ...and its oldest request never waited past the hold.
     assert all(now - batch.requests[0].arrival <= hold * 1.02 + 1e-9 for now, batch in later)
-
-
-def closed_loop(
-    policy: AdaptivePolicy, clients: int, turnaround: float, seconds: float
-) -> list[tuple[float, float]]:
-    """Clients that each send one row, wait for its answer and send again, client `i` after
-    `i + 1` turnarounds; the model runs each batch for its mean time. Each answer's time and
-    latency."""
-    sends = [(index * turnaround, index) for index in range(clients)]
-    owner: dict[int, int] = {}
-    answered: list[tuple[float, float]] = []
-    running, started, done_at, wake_at = None, 0.0, math.inf, math.inf
-    ident, now = 0, 0.0
-    while now < seconds:
-        now = min(sends[0][0] if sends else math.inf, done_at, wake_at)
-        if running is not None and now >= done_at:
-            policy.complete(running, started, now)
-            for each in running.requests:
-                answered.append((now, now - each.arrival))
-                client = owner.pop(each.id)
-                heapq.heappush(sends, (now + (client + 1) * turnaround, client))
-            running, done_at = None, math.inf
-        while sends and sends[0][0] <= now:
-            _, client = heapq.heappop(sends)
-            owner[ident] = client
-            assert policy.offer(request(ident, now), now)
-            ident += 1
-        step = policy.poll(now)
-        wake_at = step.wake_at if step.wake_at is not None else math.inf
-        if step.batch is not None:
-            running, started = step.batch, now
-            done_at = now + 0.002 + 0.00007 * step.batch.rows
-    return answered
-
-
-def test_a_hold_lasts_no_longer_than_the_rows_take_to_come() -> None:
-    """Closed-loop clients come in a burst after their answers and then stop: the hold ends
-    soon after the burst does, where it used to wait out its whole window."""
-    policy = adaptive(intercept=0.002, slope=0.00007)
-    answered = closed_loop(policy, clients=8, turnaround=0.0005, seconds=3.0)
-    assert policy.hold_s(0.002, 0.00007, policy.stats(3.0).arrival_rps, 64) == 0.2 * SLO
-    burst = 7 * 0.0005  # from the first client's turnaround to the last's
-    assert policy.stats(3.0).window_s < 1.5 * burst
-    late = [latency for at, latency in answered if at > 2.0]
-    assert max(late) < 2 * burst + 0.003  # the burst, and a batch of 8 on the model
-    assert len(late) > 1000  # 8 clients at about 8 ms a round trip
 
 
 def test_at_low_load_nothing_is_held() -> None:

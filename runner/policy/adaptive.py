@@ -82,8 +82,6 @@ class AdaptivePolicy:
             window=tuning.gap_window, every=tuning.gap_every, quantile=tuning.gap_quantile
         )
         self._refusal: Refusal | None = None
-        # How long a hold the traffic fills, lately (`_learn_span`).
-        self._hold_bound_s = math.inf
         # Spreads of normal noise a promise keeps (`_reserve`), and the late answers it may
         # still spend (`_learn_lateness`).
         self.promise_k = tuning.promise_k
@@ -610,18 +608,10 @@ class AdaptivePolicy:
         self.window_s = max(0.0, intercept - 1.0 / request_rate) if request_rate > 0 else 0.0
         hold = self.hold_s(intercept, self._costs.fit.slope_s, rows_rate, self.cap)
         if request_rate * hold >= self.tuning.hold_min_arrivals and hold > self.window_s:
-            hold = max(self.window_s, min(hold, self._span_bound_s(request_rate)))
             self.window_s = hold
             self.target_rows = max(self.target_rows, rows_rate * hold)
         if self.cap != cap:
             self._epoch += 1  # the next batch's room (a new window only moves its start)
-
-    def _span_bound_s(self, request_rate: float) -> float:
-        """The longest hold the traffic fills lately (`_learn_span`): past it, a hold only
-        waits. Never under the time for one arrival more than a hold needs, from where a
-        bound set by a burst grows back under spread arrivals (docs/dispatcher.md, "Release").
-        """
-        return max(self._hold_bound_s, (self.tuning.hold_min_arrivals + 1.0) / request_rate)
 
     def hold_s(self, intercept_s: float, slope_s: float, rows_per_s: float, cap: int) -> float:
         """How long, under load, a batch may wait to amortise its fixed cost.
@@ -787,24 +777,6 @@ class AdaptivePolicy:
             index += 1
         return index
 
-    def _held_whole_window(self, head: Request, now: float) -> bool:
-        """Whether the batch `head` opens was held for more rows its whole window, on a model
-        idle since before `head` came: how long its rows took to come is then the traffic's,
-        not the model's."""
-        busy = self._busy
-        return (self.window_s > 0.0 and now >= head.arrival + self.window_s
-                and busy.last_finished <= head.arrival)
-
-    def _learn_span(self, span_s: float, requests: int) -> None:
-        """Learn from a batch of `requests` held its whole window, whose first and last came
-        `span_s` apart, how long a hold the traffic fills (`_span_bound_s`): that span and two
-        of the gaps between its arrivals more."""
-        bound_s = span_s * (requests + 1) / (requests - 1)
-        if self._hold_bound_s == math.inf:
-            self._hold_bound_s = bound_s
-        else:
-            self._hold_bound_s += self.tuning.hold_span_memory * (bound_s - self._hold_bound_s)
-
     def _expire_head(self, now: float) -> tuple[Request, ...]:
         queue = self._waiting.requests
         if not queue or queue[0].deadline > now:
@@ -866,8 +838,6 @@ class AdaptivePolicy:
         # made late by the rows that joined behind it.
         likely = self._likely_factor() if self.oldest else 0.0
         start, due = now + self._gaps.high, math.inf
-        held = self._held_whole_window(queue[0], now)
-        latest = -math.inf
         while queue:
             request = queue[0]
             if request.group != group:
@@ -888,7 +858,6 @@ class AdaptivePolicy:
                 continue
             taken.append(request)
             rows += request.rows
-            latest = max(latest, request.arrival)
             wait += self.tuning.wait_memory * (now - request.arrival - wait)
         queue.extendleft(reversed(passed))
         self._rates.queue_wait_s = wait
@@ -896,8 +865,6 @@ class AdaptivePolicy:
             waiting.held_cap = self.cap
         if not taken:
             return None, tuple(dropped)
-        if held and len(taken) >= 3:  # fewer say little of how the traffic comes
-            self._learn_span(latest - taken[0].arrival, len(taken))
         batch = Batch(tuple(taken), reason, fit.high(rows))
         busy = self._busy
         busy.batch, busy.released = batch, now

@@ -115,9 +115,6 @@ class Tuning:
     hold_min_arrivals: float = 2.0
     """A hold is worth it only if at least this many requests are expected to arrive during it;
     at lower rates the batch goes out at once, so low load never waits."""
-    hold_span_memory: float = 0.125
-    """Weight of the newest held batch in the moving average of how long a hold the traffic
-    fills (`AdaptivePolicy._span_bound_s`)."""
     hold_load: float = 0.5
     """The share of time the model runs that bounds the hold from both sides: one request at a
     time must keep it busy at least this much, and amortised batches less (`hold_s`)."""
