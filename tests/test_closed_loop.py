@@ -146,39 +146,30 @@ def cpu_hog(on: bool) -> Iterator[None]:
         hog.wait()
 
 
+SLOW_SPELL_SHARE = 0.005
+"""The most of 64 clients' requests that may be refused. Their threads and the server share
+the two cores: on a quiet machine none is refused, but in a slow spell of the host the
+runner reads requests tens of ms after they came and its batches overrun their line, and
+the reserve for that tail refuses a few hundredths of a percent. A bias in the policy (a
+promise that misjudges when the next batch starts) refuses a percent or more."""
+
+
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize(("clients", "hog"), [
-    (8, False), (32, False), (8, True), (32, True),
-], ids=["8", "32", "8-beside-a-cpu-hog", "32-beside-a-cpu-hog"])
-def test_closed_loop_clients_are_never_refused(bundled: Server, clients: int, hog: bool) -> None:
-    """Every answer is a 200, and the server counted each of them."""
+@pytest.mark.parametrize(("clients", "hog", "most_refused"), [
+    (8, False, 0.0), (32, False, 0.0), (8, True, 0.0), (32, True, 0.0),
+    (64, False, SLOW_SPELL_SHARE),
+], ids=["8", "32", "8-beside-a-cpu-hog", "32-beside-a-cpu-hog", "64"])
+def test_closed_loop_clients_are_not_refused(
+        bundled: Server, clients: int, hog: bool, most_refused: float) -> None:
+    """Every answer is a 200, or a 503 within `most_refused` of them, and the server counted
+    each of them."""
     with cpu_hog(hog):
         tally, on_server, reasons = closed_loop(bundled, clients, SECONDS)
     answers = sum(tally.statuses.values())
     why = f"{tally.summary()}; 503s by reason {reasons}; server log: {''.join(bundled.log[-20:])}"
     assert answers >= clients * 10, why  # each client got well past its first
-    assert tally.statuses == {200: answers}, why
-    assert on_server == {"200": answers}, (on_server, why)
-
-
-MOST_REFUSED = 0.005
-
-
-@pytest.mark.timeout(90)
-def test_64_closed_loop_clients_are_refused_no_more_than_a_slow_spell_explains(
-        bundled: Server) -> None:
-    """64 clients' threads and the server share the two cores. On a quiet machine none is
-    refused; in a slow spell of the host the runner reads requests tens of ms after they
-    came and its batches overrun their line, and the reserve for that tail refuses a few
-    hundredths of a percent. A bias in the policy (a promise that misjudges when the next
-    batch starts) refuses a percent or more. So: at most 0.5% refused, every other answer a
-    200, and the server's counts the clients'."""
-    tally, on_server, reasons = closed_loop(bundled, 64, SECONDS)
-    answers = sum(tally.statuses.values())
-    why = f"{tally.summary()}; 503s by reason {reasons}; server log: {''.join(bundled.log[-20:])}"
-    assert answers >= 64 * 10, why
     assert set(tally.statuses) <= {200, 503}, why
-    assert tally.statuses[503] <= MOST_REFUSED * answers, why
+    assert tally.statuses[503] <= most_refused * answers, why
     assert on_server == {str(code): n for code, n in tally.statuses.items()}, (on_server, why)
 
 
