@@ -175,6 +175,8 @@ class Service:
         self.reserves = {name: Reserve() for name in self.models}
         self.decode_rates = {name: admission.DecodeRate() for name in self.models}
         self.gates = {name: Gate() for name in self.models}
+        # The last front refusal of each runner and kind, with the words it was made for.
+        self._refusals: dict[tuple[str, str], tuple[float, float, Overloaded]] = {}
         self.routes = {
             name: Route(pipeline, config.runners, self.pools, self.gates, self.waiting,
                         config.timeouts)
@@ -276,24 +278,59 @@ class Service:
         comes (see `batchserve.api.overload`). Only while other requests are in flight: with
         none there is no backlog to shed, so the first request after an overload is served
         whatever share the controllers still hold."""
-        if self.inflight > self.config.api.max_inflight:
-            raise Overloaded(f"{self.inflight - 1} requests in flight in this API worker",
-                             self.front_retry_s(runner, time.monotonic()),
-                             details={"inflight": self.inflight - 1})
-        if self.inflight == 1:  # this request alone
-            return
+        refusal = self.front_refusal(runner, self.inflight - 1)
+        if refusal is not None:
+            raise refusal.with_traceback(None)
+
+    def refused_at_front(self, name: str, version: str | None) -> Overloaded | None:
+        """`shed`'s refusal of a request for a served model whose headers just came, before
+        anything is built for it, or None. A door writes it as it is: a worker that sheds
+        turns most of what arrives away, and on a refusal that builds an exchange, raises
+        and formats its words afresh, that Python costs as much as the socket's reads and
+        writes (`front_refusal`)."""
+        if name not in self.models or version not in (None, VERSION) or self.stopping:
+            return None  # told what is wrong, or that the worker stops, by `admit`
+        refusal = self.front_refusal(name, self.inflight)
+        if refusal is not None:
+            self.answered += 1
+        return refusal
+
+    def front_refusal(self, runner: str, others: int) -> Overloaded | None:
+        """The refusal at the front of a request for `runner` while `others` requests are
+        in flight in this worker, or None. The same object for as long as its words stay
+        the same (the lag to a tenth of a millisecond, the Retry-After), so a door may keep
+        what it wrote for it; `shed` raises it without the traceback of its last raise."""
+        if others >= self.config.api.max_inflight:
+            return self._refusal(runner, "inflight", others, time.monotonic())
+        if not others:
+            return None
         shedder = self.shedder
         if shedder.share and not shedder.admits(random.random(), now := time.monotonic()):
-            lag_ms = round(shedder.behind_s(now) * 1000, 1)
-            raise Overloaded(f"this API worker runs {lag_ms:.0f} ms behind",
-                             self.front_retry_s(runner, now), details={"lag_ms": lag_ms})
+            return self._refusal(runner, "lag", round(shedder.behind_s(now) * 1000, 1), now)
         gate = self.gates[runner]
         if (gate.share and self._calls_out(runner)
                 and not gate.admits(random.random(), now := time.monotonic())):
+            return self._refusal(runner, "gate", round(gate.share, 3), now)
+        return None
+
+    def _refusal(self, runner: str, kind: str, value: float, now: float) -> Overloaded:
+        """The refusal of `kind` with its `value`: the one made last, if the words match."""
+        retry_s = self.front_retry_s(runner, now)
+        last = self._refusals.get((runner, kind))
+        if last is not None and last[0] == value and last[1] == retry_s:
+            return last[2]
+        if kind == "inflight":
+            refusal = Overloaded(f"{value:.0f} requests in flight in this API worker", retry_s,
+                                 details={"inflight": value})
+        elif kind == "lag":
+            refusal = Overloaded(f"this API worker runs {value:.0f} ms behind", retry_s,
+                                 details={"lag_ms": value})
+        else:
             what = "pipeline" if runner in self.routes else "runner"
-            raise Overloaded(f"{what} {runner!r} refuses {100 * gate.share:.0f}% of what "
-                             "comes now", self.front_retry_s(runner, now),
-                             details={"refused_share": round(gate.share, 3)})
+            refusal = Overloaded(f"{what} {runner!r} refuses {100 * value:.0f}% of what "
+                                 "comes now", retry_s, details={"refused_share": value})
+        self._refusals[runner, kind] = (value, retry_s, refusal)
+        return refusal
 
     def _calls_out(self, name: str) -> int:
         """Calls this worker has out to a runner, or to any step's runner of a pipeline."""

@@ -270,6 +270,7 @@ class _Gone:
     """A connection whose client left: answers are dropped, as on a real one."""
 
     write_answer = Connection.write_answer
+    _write = Connection._write
     transport = SimpleNamespace(is_closing=lambda: True)
 
     def on_response_complete(self) -> None:

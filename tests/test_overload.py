@@ -174,6 +174,87 @@ async def test_a_shedding_worker_answers_503_with_retry_after_before_reading_the
     assert app.service.inflight == 1
 
 
+class _Transport(asyncio.Transport):
+    """What a connection writes, kept in order; the client never leaves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:  # type: ignore[override]
+        self.written.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"sockname": ("127.0.0.1", 3000), "peername": ("127.0.0.1", 40000)}.get(
+            name, default)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _post(path: str, content: bytes) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(content)}\r\n\r\n").encode() + content
+
+
+async def test_a_front_refusal_builds_no_exchange_and_writes_the_bytes_it_wrote_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While a worker sheds, most of what arrives is refused at its headers; such a refusal
+    is written from the bytes kept for the same words, with no exchange built for it, and
+    is counted as any 503 is."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    from batchserve.api.http.connection import protocol_for
+    from batchserve.api.service import Service, unavailable_total
+
+    app = create_app(parse(__import__("yaml").safe_load(MLP_ONLY)), {})
+    service = app.service
+    built: list[str] = []
+    request = Service.request
+    monkeypatch.setattr(Service, "request", lambda self, name, version, respond: (
+        built.append(name), request(self, name, version, respond))[1])
+    monkeypatch.setattr(time, "time", lambda: 1.8e9)  # one date line for every answer
+    config = Config(app=app, http="httptools", lifespan="off")
+    config.load()
+    connection = protocol_for(service)(config, ServerState(), {},
+                                       _loop=asyncio.get_running_loop())
+    transport = _Transport()
+    connection.connection_made(transport)
+    body = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,256],"data":[' + \
+        b",".join([b"0"] * 256) + b"]}]}"
+    service.shedder.share, service.shedder.lag_s = 1.0, 0.0123
+    service.inflight = 1  # another request in flight: a backlog to shed for
+    answered = service.answered
+    fronts = unavailable_total.labels("mlp", "front", "http")
+    counted = fronts._value.get()
+    try:
+        for _ in range(3):
+            connection.data_received(_post("/v2/models/mlp/infer", body))
+        connection.data_received(_post("/v2/models/nope/infer", body))
+        assert not transport.closed  # a refusal keeps the connection
+    finally:
+        connection.connection_lost(None)
+    first, second, third, unknown = transport.written
+    assert second is first and third is first  # written again as they were, not rebuilt
+    head, _, content = first.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"\r\nRetry-After: 20\r\n" in head
+    assert __import__("json").loads(content) == {
+        "error": "the server is overloaded (this API worker runs 12 ms behind); retry later",
+        "reason": "front", "lag_ms": 12.3,
+    }
+    assert built == ["nope"]  # only the request that is not refused at its headers
+    assert unknown.startswith(b"HTTP/1.1 404 ")
+    assert service.answered == answered + 4 and service.inflight == 1  # the 404 as well
+    service.flush()
+    assert fronts._value.get() == counted + 3
+
+
 @pytest.mark.parametrize(("share", "behind_s", "backlog"), [
     (0.0, 0.0, 0.0),
     (0.5, 0.0, 1.0),  # half turned away: a second of work refused every second
@@ -331,3 +412,4 @@ def test_a_flush_writes_every_answer_held_since_the_last_and_a_rare_one_goes_at_
     service.observe("mlp0", 200, started, "")
     service.flush()
     assert moved(start) == (4, 3, 2, 1)
+

@@ -31,7 +31,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import Server, ServerState
 
 from .. import service as inference
-from ..errors import PayloadTooLarge
+from ..errors import Overloaded, PayloadTooLarge, error_response
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -187,6 +187,8 @@ class Connection(HttpToolsProtocol):
     """uvicorn's HTTP/1.1 protocol with inference requests answered by the service."""
 
     service: inference.Service  # set on a subclass made per worker by `protocol_for`
+    _refused: tuple[Overloaded | None, bytes, bytes] = (None, b"", b"")
+    """The last front refusal written, the date line it was written with, and its bytes."""
 
     def on_message_begin(self) -> None:
         self.url = b""
@@ -228,6 +230,12 @@ class Connection(HttpToolsProtocol):
         exchange = self.exchange = Exchange(self, keep_alive, self.expect_100_continue)
         ahead = self.cycle
         self.cycle = exchange  # type: ignore[assignment]
+        if keep_alive and (ahead is None or ahead.response_complete):
+            refusal = self.service.refused_at_front(name, version)
+            if refusal is not None:  # its body is read and dropped (`on_body`)
+                exchange.started = True
+                self._write_refusal(exchange, name, refusal)
+                return
         length = None
         for key, value in self.headers:
             if key == b"content-length":
@@ -283,25 +291,47 @@ class Connection(HttpToolsProtocol):
         """Write one whole response, then let what waits behind it go on."""
         if exchange.response_complete:
             return
+        keep_alive = exchange.keep_alive and headers.get("Connection") != "close"
+        self._write(exchange, _response(status, content, headers, keep_alive), keep_alive)
+
+    def _write_refusal(self, exchange: Exchange, name: str,
+                       refusal: Overloaded) -> None:
+        """Write a front refusal of a keep-alive request: the bytes written for the same
+        refusal the last time, while the date line is the same too."""
+        service = self.service
+        service.observe(name, 503, time.monotonic(), refusal.reason)
+        kept = self._refused
+        if kept[0] is not refusal or kept[1] is not _Date.lines:
+            status, content, headers = error_response(refusal)
+            kept = type(self)._refused = (refusal, _Date.lines,
+                                          _response(status, content, headers, True))
+        self._write(exchange, kept[2], True)
+
+    def _write(self, exchange: Exchange, response: bytes, keep_alive: bool) -> None:
         exchange.response_complete = True
         # The service's exchange holds our `respond`: unlinked now, the pair goes when the
         # request does, not at the collector's next pass (one cycle a request kept it busy).
         exchange.request = None
         transport = self.transport
         if not exchange.disconnected and not transport.is_closing():
-            keep_alive = exchange.keep_alive and headers.get("Connection") != "close"
-            parts = [_STATUS_LINE[status], _Date.lines]
-            for name, text in headers.items():
-                if name != "Connection":
-                    parts.append(_line(name, text))
-            parts.append(b"content-length: %d\r\n" % len(content))
-            if not keep_alive:
-                parts.append(b"connection: close\r\n")
-            parts += (b"\r\n", content)
-            transport.write(b"".join(parts))
+            transport.write(response)
             if not keep_alive:
                 transport.close()
         self.on_response_complete()
+
+
+def _response(status: int, content: bytes, headers: Mapping[str, str], keep_alive: bool
+              ) -> bytes:
+    """One whole HTTP/1.1 response, with the date line of this second."""
+    parts = [_STATUS_LINE[status], _Date.lines]
+    for name, text in headers.items():
+        if name != "Connection":
+            parts.append(_line(name, text))
+    parts.append(b"content-length: %d\r\n" % len(content))
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts += (b"\r\n", content)
+    return b"".join(parts)
 
 
 def protocol_for(service: inference.Service) -> type[Connection]:
