@@ -413,3 +413,10 @@ def test_a_flush_writes_every_answer_held_since_the_last_and_a_rare_one_goes_at_
     service.flush()
     assert moved(start) == (4, 3, 2, 1)
 
+
+async def test_the_front_refusal_benchmark_measures_both_paths() -> None:
+    from benchmarks.front_refusal import measure
+
+    figures = await measure(50)
+    assert list(figures) == ["shed at the front", "read, decoded, checked"]
+    assert all(micros > 0 for micros in figures.values())
