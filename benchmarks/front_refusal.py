@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import uvloop
 import yaml
@@ -24,7 +25,7 @@ from uvicorn.config import Config
 from uvicorn.server import ServerState
 
 from batchserve.api.http.app import create_app
-from batchserve.api.http.connection import protocol_for
+from batchserve.api.http.connection import Connection, protocol_for
 from batchserve.runner.core.config import parse
 
 CONFIG = """
@@ -40,50 +41,56 @@ REQUEST = (b"POST /v2/models/mlp/infer HTTP/1.1\r\nhost: 127.0.0.1\r\n"
            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(BODY) + BODY)
 
 
-class _Kept(asyncio.Transport):
-    """A transport that keeps the last write and never closes."""
+class Written(asyncio.Transport):
+    """A client's side that never leaves: what the connection writes, in order."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.writes = 0
-        self.last = b""
+        self.written: list[bytes] = []
+        self.closed = False
 
     def write(self, data: bytes) -> None:  # type: ignore[override]
-        self.writes += 1
-        self.last = bytes(data)
+        self.written.append(data)
 
     def is_closing(self) -> bool:
         return False
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
     def get_extra_info(self, name: str, default: object = None) -> object:
         return {"sockname": ("127.0.0.1", 3000), "peername": ("127.0.0.1", 40000)}.get(
             name, default)
 
 
+def connect(app: Any) -> tuple[Connection, Written]:
+    """A connection of `app`'s worker, made on the running loop, and what it writes."""
+    config = Config(app=app, http="httptools", lifespan="off")
+    config.load()
+    connection = protocol_for(app.service)(config, ServerState(), {},
+                                           _loop=asyncio.get_running_loop())
+    transport = Written()
+    connection.connection_made(transport)
+    return connection, transport
+
+
 async def measure(requests: int) -> dict[str, float]:
     """µs of CPU per request: shed at the front, and read whole."""
     app = create_app(parse(yaml.safe_load(CONFIG)), {})
     service = app.service
-    config = Config(app=app, http="httptools", lifespan="off")
-    config.load()
-    connection = protocol_for(service)(config, ServerState(), {},
-                                       _loop=asyncio.get_running_loop())
-    transport = _Kept()
-    connection.connection_made(transport)
+    connection, transport = connect(app)
     service.inflight = 1  # another request in flight: there is a backlog to shed for
     figures: dict[str, float] = {}
     for label, share in (("shed at the front", 1.0), ("read, decoded, checked", 0.0)):
         service.shedder.share, service.shedder.lag_s = share, 0.02 if share else 0.0
         best = float("inf")
         for _ in range(5):
+            transport.written.clear()
             started = time.thread_time()
             for _ in range(requests):
                 connection.data_received(REQUEST)
             best = min(best, (time.thread_time() - started) / requests)
-        assert transport.last.startswith(b"HTTP/1.1 503 "), transport.last[:80]
+        assert transport.written[-1].startswith(b"HTTP/1.1 503 "), transport.written[-1][:80]
         figures[label] = best * 1e6
     connection.connection_lost(None)
     return figures

@@ -16,6 +16,7 @@ from batchserve.api.http.app import create_app
 from batchserve.api.overload import ENGAGED, Gate, Shedder, backlog_s, watch
 from batchserve.runner.core.config import parse
 from benchmarks import retrying
+from benchmarks.front_refusal import CONFIG
 from tests.conftest import Server
 
 pytestmark = pytest.mark.anyio
@@ -140,17 +141,8 @@ async def test_an_idle_watch_sets_no_timer_until_a_request_wakes_it() -> None:
     assert len(recorded) == ticks  # and no tick came after it
 
 
-MLP_ONLY = """
-runners:
-  mlp:
-    model: batchserve.runner.bundled:mlp
-    inputs: [{name: x, datatype: FP32, shape: [-1, 256]}]
-    outputs: [{name: y, datatype: FP32, shape: [-1, 16]}]
-"""
-
-
 async def test_a_shedding_worker_answers_503_with_retry_after_before_reading_the_body() -> None:
-    app = create_app(parse(__import__("yaml").safe_load(MLP_ONLY)), {})
+    app = create_app(parse(__import__("yaml").safe_load(CONFIG)), {})
     app.service.shedder.share = 1.0
     app.service.shedder.lag_s = 0.0123
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256], "data": [0] * 256}]}
@@ -174,28 +166,6 @@ async def test_a_shedding_worker_answers_503_with_retry_after_before_reading_the
     assert app.service.inflight == 1
 
 
-class _Transport(asyncio.Transport):
-    """What a connection writes, kept in order; the client never leaves."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: list[bytes] = []
-        self.closed = False
-
-    def write(self, data: bytes) -> None:  # type: ignore[override]
-        self.written.append(data)
-
-    def is_closing(self) -> bool:
-        return False
-
-    def get_extra_info(self, name: str, default: object = None) -> object:
-        return {"sockname": ("127.0.0.1", 3000), "peername": ("127.0.0.1", 40000)}.get(
-            name, default)
-
-    def close(self) -> None:
-        self.closed = True
-
-
 def _post(path: str, content: bytes) -> bytes:
     return (f"POST {path} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
             f"content-length: {len(content)}\r\n\r\n").encode() + content
@@ -207,25 +177,17 @@ async def test_a_front_refusal_builds_no_exchange_and_writes_the_bytes_it_wrote_
     """While a worker sheds, most of what arrives is refused at its headers; such a refusal
     is written from the bytes kept for the same words, with no exchange built for it, and
     is counted as any 503 is."""
-    from uvicorn.config import Config
-    from uvicorn.server import ServerState
-
-    from batchserve.api.http.connection import protocol_for
     from batchserve.api.service import Service, unavailable_total
+    from benchmarks.front_refusal import connect
 
-    app = create_app(parse(__import__("yaml").safe_load(MLP_ONLY)), {})
+    app = create_app(parse(__import__("yaml").safe_load(CONFIG)), {})
     service = app.service
     built: list[str] = []
     request = Service.request
     monkeypatch.setattr(Service, "request", lambda self, name, version, respond: (
         built.append(name), request(self, name, version, respond))[1])
     monkeypatch.setattr(time, "time", lambda: 1.8e9)  # one date line for every answer
-    config = Config(app=app, http="httptools", lifespan="off")
-    config.load()
-    connection = protocol_for(service)(config, ServerState(), {},
-                                       _loop=asyncio.get_running_loop())
-    transport = _Transport()
-    connection.connection_made(transport)
+    connection, transport = connect(app)
     body = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,256],"data":[' + \
         b",".join([b"0"] * 256) + b"]}]}"
     service.shedder.share, service.shedder.lag_s = 1.0, 0.0123
