@@ -162,3 +162,9 @@ def scaled(x: np.ndarray, *, factor: float = 1.0, shift: int = 0) -> dict[str, n
 def doubled(x: np.ndarray) -> np.ndarray:
     """`2 x`: a first step whose answer a test can tell from its input."""
     return (2 * x).astype(np.float32)
+
+
+def sleepy_echo(x: np.ndarray) -> np.ndarray:
+    """Holds each batch for 1.5 s: longer than a one-second keep-alive timeout."""
+    time.sleep(1.5)
+    return x

@@ -8,6 +8,7 @@ import gc
 import json
 import shutil
 import socket
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -299,3 +300,40 @@ def test_an_answered_request_is_freed_at_once_not_by_the_collector() -> None:
         assert gone() is None
     finally:
         gc.enable()
+
+
+KEEP_ALIVE_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def brief(folder: Path) -> Iterator[Server]:
+    """A server that keeps an idle connection for a second, its `echo` taking 1.5 s a batch."""
+    config = folder / "brief.yml"
+    config.write_text(ECHO.format(limit=4096, model="slow_echo").replace(
+        "api: {workers: 1,", f"timeouts: {{keep_alive_s: {KEEP_ALIVE_S}}}\napi: {{workers: 1,")
+        .replace("fixture_models:slow_echo", "fixture_models:sleepy_echo"))
+    shutil.copy(ROOT / "tests" / "fixture_models.py", folder / "fixture_models.py")
+    running = start_server(config)
+    yield running
+    running.stop()
+
+
+def test_keep_alive_closes_an_idle_connection_not_one_in_use(brief: Server) -> None:
+    """The keep-alive timer is armed once and moved on by each answer: a connection that
+    sends every 0.4 s for longer than the timeout stays open, one whose request takes longer
+    than the timeout gets its answer, and one idle for the timeout is closed."""
+    wire = Wire(brief)
+    try:
+        wire.send(request("/v2/models/echo/infer", body(1, 2, 3, 4)))
+        status, _, content = wire.response()  # 1.5 s in the model: longer than the timeout
+        assert status == 200 and json.loads(content)["outputs"][0]["data"] == [1, 2, 3, 4]
+        for i in range(5):  # 2 s of requests, each well within the timeout of the last
+            time.sleep(0.4)
+            wire.send(request("/v2/health/live", b"", method="GET"))
+            assert wire.response()[0] == 200, f"request {i}"
+        answered = time.monotonic()
+        wire.socket.settimeout(10 * KEEP_ALIVE_S)
+        assert wire.closed()  # the server closed it, idle
+        assert time.monotonic() - answered >= 0.9 * KEEP_ALIVE_S  # not before its time
+    finally:
+        wire.close()

@@ -37,9 +37,11 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 _STATUS_LINE: dict[int, bytes] = getattr(httptools_impl, "STATUS_LINE", {})
 HOOKS = ("on_message_begin", "on_headers_complete", "on_body", "on_message_complete",
-         "on_response_complete", "_start_asgi_task")
+         "on_response_complete", "_start_asgi_task", "_unset_keepalive_if_required",
+         "timeout_keep_alive_handler")
 """uvicorn's protocol methods this one overrides or calls."""
 STATE = ("parser", "headers", "url", "cycle", "pipeline", "flow", "server_state", "config",
+         "loop", "timeout_keep_alive", "timeout_keep_alive_task",
          "app_state", "root_path", "asgi_version", "server", "client", "scheme", "transport",
          "expect_100_continue")
 """Its attributes read or set here (some only once a connection is made)."""
@@ -279,6 +281,44 @@ class Connection(HttpToolsProtocol):
         exchange.complete = True
         if exchange.started and exchange.waiting:
             exchange.run()
+
+    def on_response_complete(self) -> None:
+        """uvicorn's, with its keep-alive timer armed once for many requests: it made and
+        cancelled a timer for every request, some 3 µs of each. The timer stays armed while
+        requests come, and when it fires on a connection idle for less than the keep-alive
+        timeout, it is armed again for the rest (`timeout_keep_alive_handler`)."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self.idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_at(
+                self.idle_since + self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def _unset_keepalive_if_required(self) -> None:
+        """uvicorn cancels the keep-alive timer at every read; it is cancelled here only
+        once the connection closes, and judges itself whether the connection is idle."""
+        if self.transport.is_closing():
+            super()._unset_keepalive_if_required()
+
+    def timeout_keep_alive_handler(self) -> None:
+        """Close a connection idle for the keep-alive timeout. One in the middle of a request
+        is left to its answer, which arms the timer again; one idle for less is given the
+        rest."""
+        self.timeout_keep_alive_task = None
+        cycle = self.cycle
+        if self.transport.is_closing() or (cycle is not None and not cycle.response_complete):
+            return
+        due = self.idle_since + self.timeout_keep_alive
+        if self.loop.time() >= due:
+            self.transport.close()
+        else:
+            self.timeout_keep_alive_task = self.loop.call_at(due, self.timeout_keep_alive_handler)
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         if isinstance(cycle, Exchange):  # an inference request whose turn came
