@@ -223,6 +223,7 @@ class Overloaded(Unavailable):
                  details: Mapping[str, float] | None = None) -> None:
         super().__init__(f"the server is overloaded ({why}); retry later", retry_after,
                          "front", details)
+        self.why = why
 
 
 class Stopping(Unavailable):

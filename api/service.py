@@ -279,8 +279,8 @@ class Service:
         none there is no backlog to shed, so the first request after an overload is served
         whatever share the controllers still hold."""
         refusal = self.front_refusal(runner, self.inflight - 1)
-        if refusal is not None:
-            raise refusal.with_traceback(None)
+        if refusal is not None:  # a new one: the kept one would keep this raise's frames
+            raise Overloaded(refusal.why, refusal.retry_after, refusal.details)
 
     def refused_at_front(self, name: str, version: str | None) -> Overloaded | None:
         """`shed`'s refusal of a request for a served model whose headers just came, before
@@ -299,7 +299,7 @@ class Service:
         """The refusal at the front of a request for `runner` while `others` requests are
         in flight in this worker, or None. The same object for as long as its words stay
         the same (the lag to a tenth of a millisecond, the Retry-After), so a door may keep
-        what it wrote for it; `shed` raises it without the traceback of its last raise."""
+        what it wrote for it; never raised itself (`shed` raises a copy)."""
         if others >= self.config.api.max_inflight:
             return self._refusal(runner, "inflight", others, time.monotonic())
         if not others:
