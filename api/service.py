@@ -291,8 +291,9 @@ class Service:
         if name not in self.models or version not in (None, VERSION) or self.stopping:
             return None  # told what is wrong, or that the worker stops, by `admit`
         refusal = self.front_refusal(name, self.inflight)
-        if refusal is not None:
+        if refusal is not None:  # answered now, and counted as `finish` counts an answer
             self.answered += 1
+            self.observe(name, 503, time.monotonic(), refusal.reason)
         return refusal
 
     def front_refusal(self, runner: str, others: int) -> Overloaded | None:

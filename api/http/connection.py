@@ -236,7 +236,7 @@ class Connection(HttpToolsProtocol):
             refusal = self.service.refused_at_front(name, version)
             if refusal is not None:  # its body is read and dropped (`on_body`)
                 exchange.started = True
-                self._write_refusal(exchange, name, refusal)
+                self._write_refusal(exchange, refusal)
                 return
         length = None
         for key, value in self.headers:
@@ -334,12 +334,9 @@ class Connection(HttpToolsProtocol):
         keep_alive = exchange.keep_alive and headers.get("Connection") != "close"
         self._write(exchange, _response(status, content, headers, keep_alive), keep_alive)
 
-    def _write_refusal(self, exchange: Exchange, name: str,
-                       refusal: Overloaded) -> None:
+    def _write_refusal(self, exchange: Exchange, refusal: Overloaded) -> None:
         """Write a front refusal of a keep-alive request: the bytes written for the same
         refusal the last time, while the date line is the same too."""
-        service = self.service
-        service.observe(name, 503, time.monotonic(), refusal.reason)
         kept = self._refused
         if kept[0] is not refusal or kept[1] is not _Date.lines:
             status, content, headers = error_response(refusal)
