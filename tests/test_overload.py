@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
@@ -14,10 +15,12 @@ import pytest
 from batchserve.api.client.codec import ServerUnavailable
 from batchserve.api.http.app import create_app
 from batchserve.api.overload import ENGAGED, Gate, Shedder, backlog_s, watch
+from batchserve.api.service import Service, unavailable_total
 from batchserve.runner.core.config import parse
 from benchmarks import retrying
-from benchmarks.front_refusal import CONFIG
+from benchmarks.front_refusal import BODY, CONFIG, connect
 from tests.conftest import Server
+from tests.test_connection import request
 
 pytestmark = pytest.mark.anyio
 
@@ -166,30 +169,20 @@ async def test_a_shedding_worker_answers_503_with_retry_after_before_reading_the
     assert app.service.inflight == 1
 
 
-def _post(path: str, content: bytes) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(content)}\r\n\r\n").encode() + content
-
-
 async def test_a_front_refusal_builds_no_exchange_and_writes_the_bytes_it_wrote_before(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """While a worker sheds, most of what arrives is refused at its headers; such a refusal
     is written from the bytes kept for the same words, with no exchange built for it, and
     is counted as any 503 is."""
-    from batchserve.api.service import Service, unavailable_total
-    from benchmarks.front_refusal import connect
-
     app = create_app(parse(__import__("yaml").safe_load(CONFIG)), {})
     service = app.service
     built: list[str] = []
-    request = Service.request
+    admit = Service.request
     monkeypatch.setattr(Service, "request", lambda self, name, version, respond: (
-        built.append(name), request(self, name, version, respond))[1])
+        built.append(name), admit(self, name, version, respond))[1])
     monkeypatch.setattr(time, "time", lambda: 1.8e9)  # one date line for every answer
     connection, transport = connect(app)
-    body = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,256],"data":[' + \
-        b",".join([b"0"] * 256) + b"]}]}"
     service.shedder.share, service.shedder.lag_s = 1.0, 0.0123
     service.inflight = 1  # another request in flight: a backlog to shed for
     answered = service.answered
@@ -197,8 +190,8 @@ async def test_a_front_refusal_builds_no_exchange_and_writes_the_bytes_it_wrote_
     counted = fronts._value.get()
     try:
         for _ in range(3):
-            connection.data_received(_post("/v2/models/mlp/infer", body))
-        connection.data_received(_post("/v2/models/nope/infer", body))
+            connection.data_received(request("/v2/models/mlp/infer", BODY))
+        connection.data_received(request("/v2/models/nope/infer", BODY))
         assert not transport.closed  # a refusal keeps the connection
     finally:
         connection.connection_lost(None)
@@ -206,7 +199,7 @@ async def test_a_front_refusal_builds_no_exchange_and_writes_the_bytes_it_wrote_
     assert second is first and third is first  # written again as they were, not rebuilt
     head, _, content = first.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503 ") and b"\r\nRetry-After: 20\r\n" in head
-    assert __import__("json").loads(content) == {
+    assert json.loads(content) == {
         "error": "the server is overloaded (this API worker runs 12 ms behind); retry later",
         "reason": "front", "lag_ms": 12.3,
     }
