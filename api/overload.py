@@ -31,6 +31,10 @@ FORGOTTEN = 0.001
 MOST_SHED = 0.95
 """The largest share either controller turns away: some requests always reach the runner, so
 the share keeps being measured against what it does."""
+HOLDING = 0.75
+"""A late tick holds the backlog when its lag is at least this share of the tick's before: a
+loop working a burst off is late by less at each tick (by half, as measured), one under a
+standing backlog about as late, give or take the noise of a shared machine."""
 ENGAGED = 0.1
 """A gate refuses nothing while its share is below this (some five refusals in quick
 succession): a few refusals are the runner's own decisions at the margin, a stalled batch
@@ -44,7 +48,8 @@ class Shedder:
     It acts on a standing backlog, not on a busy moment: only once every tick of the last
     `window_s` (100 ms), and at least `ticks` of them in a row, has been late by more than the
     target (a tenth of the tightest runner's limit, and at least `Timeouts.LAG_FLOOR_S`: 10 ms
-    is no backlog to a 30 s limit) does the share climb, by `rise_per_s` of the time each late
+    is no backlog to a 30 s limit), or `held` of them in a row without the lag falling by
+    more than a quarter (`HOLDING`), does the share climb, by `rise_per_s` of the time each late
     tick took (from nothing to half the traffic in another 100 ms). It counts time, not
     ticks, because a late tick takes longer: counted in ticks, it would act slowest when the
     loop is furthest behind. On a timely tick the share falls in proportion to how far under
@@ -54,9 +59,13 @@ class Shedder:
     A loop that is busy in bursts but catches up between them, as under closed-loop clients
     whose requests in flight are bounded, has timely ticks in every window and sheds nothing
     (CoDel's rule for queues); so does a burst after a client's stall, whose backlog the loop
-    works off within a few ticks. Measured with 64 closed-loop clients on the bundled `mlp`:
-    a window of 30 ms shed 3 to 26 of about 35,000 requests in some 10 s runs; a backlog that
-    overload builds lasts seconds, so waiting 100 ms to act on it costs little.
+    works off within a few ticks, each later by less than the one before. Measured with 64
+    closed-loop clients on the bundled `mlp`: a window of 30 ms shed 3 to 26 of about 35,000
+    requests in some 10 s runs; a backlog that overload builds lasts seconds, so waiting
+    100 ms to act on it costs little. Waiting for five ticks costs more: when overload
+    begins, each tick is 20 to 60 ms late, so five took 150 to 250 ms, and every request read
+    meanwhile was read, decoded and sent whole, or refused a hundred ms or more after it
+    came; a lag that holds for three ticks is already a standing one.
 
     While it sheds, it also turns away every request read while the loop's next tick is
     overdue by more than the target (`due`, set by `watch`): such a request has waited at
@@ -66,6 +75,7 @@ class Shedder:
     target_s: float = 0.010
     window_s: float = 0.1
     ticks: int = 5
+    held: int = 3
     rise_per_s: float = 5.0
     fall_per_s: float = 1.0
     ceiling: float = MOST_SHED
@@ -74,6 +84,7 @@ class Shedder:
     lag_s: float = 0.0
     late_s: float = 0.0  # how long every tick has been late, up to now
     late_ticks: int = 0  # and how many ticks that was
+    holding: int = 0  # how many of them in a row held the lag (`HOLDING`)
     due: float = math.inf
 
     def observe(self, lag_s: float) -> None:
@@ -82,10 +93,12 @@ class Shedder:
         if lag_s > self.target_s:
             self.late_s += took_s
             self.late_ticks += 1
-            if self.late_s >= self.window_s and self.late_ticks >= self.ticks:
+            self.holding = self.holding + 1 if lag_s >= HOLDING * previous else 0
+            standing = self.late_ticks >= self.ticks or self.holding >= self.held
+            if self.late_s >= self.window_s and standing:
                 self.share = min(self.ceiling, self.share + self.rise_per_s * took_s)
         else:  # the further under the target, the faster: at the target it holds
-            self.late_s, self.late_ticks = 0.0, 0
+            self.late_s, self.late_ticks, self.holding = 0.0, 0, 0
             spare = (self.target_s - lag_s) / self.target_s
             self.share = max(0.0, self.share - self.fall_per_s * spare * took_s)
         if lag_s > self.drain_s and previous > self.drain_s:

@@ -51,9 +51,23 @@ def test_a_burst_the_loop_works_off_in_a_few_ticks_sheds_nothing() -> None:
     for lag in [0.150, 0.080, 0.040, 0.020, 0.002]:  # a client's stall, then its backlog
         shedder.observe(lag)
     assert shedder.share == 0.0
-    for _ in range(5):  # a standing lag of as much
+    for _ in range(5):  # a standing lag of as much: it holds, and sheds from its third tick
         shedder.observe(0.040)
-    assert shedder.share == pytest.approx(5.0 * 0.05)
+    assert shedder.share == pytest.approx(3 * 5.0 * 0.05)
+
+
+def test_a_lag_that_holds_sheds_from_its_third_late_tick() -> None:
+    """Overload beginning: each tick some 30 ms late, none much less than the one before. The
+    window is full after three ticks; waiting for five would read, decode and send two more
+    ticks' worth of requests whole."""
+    shedder = Shedder(target_s=0.010, window_s=0.1, ticks=5)
+    for lag in [0.030, 0.036, 0.028]:  # 28 ms is more than three quarters of 36
+        shedder.observe(lag)
+    assert shedder.share == pytest.approx(5.0 * 0.038)
+    falling = Shedder(target_s=0.010, window_s=0.1, ticks=5)
+    for lag in [0.030, 0.036, 0.026, 0.025]:  # 26 ms is less: counted again from it
+        falling.observe(lag)
+    assert falling.share == 0.0
 
 
 def test_the_share_falls_back_when_the_lag_does_and_never_passes_the_ceiling() -> None:
