@@ -57,6 +57,7 @@ from .core.timeouts import Timeouts
 from .core.types import BYTES, ModelInputs, Tensors
 from .core.wire import FailureCode
 from .metrics import RunnerMetrics
+from .model_cpu import ModelCpu
 from .models import Model
 from .policy.base import Admission, Batch, Policy, Request
 from .policy.latency_model import Timing
@@ -205,11 +206,12 @@ class Dispatcher:
         policy: Policy,
         metrics: RunnerMetrics,
         clock: Callable[[], float] = time.monotonic,
-        cpu_clock: Callable[[], float] = time.thread_time,
+        cpu_clock: Callable[[], float] | None = None,
         launched: Callable[[], None] = lambda: None,
     ) -> None:
         """`launched` is told whenever a batch goes to the model (the runner publishes its
-        backlog then)."""
+        backlog then); `cpu_clock`, read on the model thread, is the model's CPU (by default
+        its thread's and its intra-op threads', `ModelCpu`)."""
         self.runner = runner
         # Outputs of one sequence a row, joined into one flat array a request when split.
         self._ragged_outputs = frozenset(
@@ -219,7 +221,7 @@ class Dispatcher:
         self.policy = policy
         self.metrics = metrics
         self.clock = clock
-        self.cpu_clock = cpu_clock
+        self.cpu_clock = ModelCpu() if cpu_clock is None else cpu_clock
         self.max_latency_s = runner.batching.max_latency_ms / 1000
         # The bound on a batch in the units its cost is counted in: rows, or elements for
         # ragged or pad inputs (`max_batch_elements`); a request of rows over it is cut.

@@ -91,7 +91,7 @@ class LoadMeter:
         self.offered += 1
 
     def batch(self, requests: int, rows: int, cpu_s: float) -> None:
-        """One batch ran: its requests, its rows and the model thread's CPU for it."""
+        """One batch ran: its requests, its rows and the model's CPU for it."""
         self.requests += requests
         self.batches += 1
         self.rows += rows

@@ -118,7 +118,8 @@ batch_time_ratio = Histogram(
     ["runner"], buckets=RATIO_BUCKETS,
 )
 batch_cpu = Histogram(
-    "batchserve_batch_cpu_seconds", "CPU time of the model thread per batch",
+    "batchserve_batch_cpu_seconds",
+    "CPU time of the model per batch: its thread and its intra-op threads",
     ["runner"], buckets=SECONDS_BUCKETS,
 )
 rejections = Counter(

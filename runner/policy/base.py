@@ -138,7 +138,7 @@ class Policy(Protocol):
         self, batch: Batch, started: float, finished: float, cpu_s: float | None = None
     ) -> None:
         """The batch ran from `started` to `finished` on the clock, using `cpu_s` seconds of the
-        model thread's CPU (None where the source cannot tell: taken as the wall time)."""
+        model's CPU (None where the source cannot tell: taken as the wall time)."""
         ...
 
     def stats(self, now: float) -> PolicyStats: ...

@@ -7,12 +7,12 @@ a multiply and an add. The fit itself runs on a snapshot of samples, off the req
 path: see `fit_samples` and docs/dispatcher.md.
 
 Why two parts:
-- The cost curve `intercept + slope * n` is fitted on the model thread's CPU time, not its
-  wall time. On shared cores the wall time of a batch also holds waits for a core and for the
-  GIL, which do not grow with its rows but do come in episodes: a slow batch lets more
-  requests queue, so the next batch is both large and slow, and a line fitted on wall time
-  takes that for cost per row (slopes 30 times the truth were seen live). CPU time has none
-  of those waits.
+- The cost curve `intercept + slope * n` is fitted on the model's CPU time (its thread's and
+  its intra-op threads'), not its wall time. On shared cores the wall time of a batch also
+  holds waits for a core and for the GIL, which do not grow with its rows but do come in
+  episodes: a slow batch lets more requests queue, so the next batch is both large and slow,
+  and a line fitted on wall time takes that for cost per row (slopes 30 times the truth were
+  seen live). CPU time has none of those waits.
   A model that mostly waits (on a GPU, a sleep, I/O) costs its thread little CPU, so the
   calibration decides the unit: CPU seconds when the model kept its thread busy for at least
   half of each calibration batch, wall seconds otherwise.
@@ -53,7 +53,7 @@ HUBER_EPSILON = 1.345  # residuals beyond this many sigmas count linearly, not s
 HUBER_ROUNDS = 4
 
 class Timing(NamedTuple):
-    """One batch timed before traffic: its rows, wall seconds and model-thread CPU seconds."""
+    """One batch timed before traffic: its rows, wall seconds and the model's CPU seconds."""
 
     rows: int
     wall_s: float
