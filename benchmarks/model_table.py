@@ -214,7 +214,7 @@ def logged(folder: Path, name: str) -> list[Logged]:
 
 
 def cpu_seconds(folder: Path, name: str) -> float:
-    """The model thread's CPU over every batch logged."""
+    """The model's CPU over every batch logged."""
     return sum(float(line.split(",")[2]) for path in sorted(folder.glob(f"{name}-*.csv"))
                for line in path.read_text().splitlines()[1:] if line)
 

@@ -1,6 +1,6 @@
 """What a simulated batch takes: its pure cost (CPU time) and its wall time on a shared machine.
 
-On the live server a batch's wall time holds its model thread's CPU time plus waits for a core
+On the live server a batch's wall time holds the model's CPU time plus waits for a core
 and for the GIL, which are heavy-tailed, bursty and grow with the arrival rate, while its CPU
 time does not. The simulator draws both, so the policy sees in `complete` what it
 sees live: `cpu_s` is the cost, `finished - started` the wall time.

@@ -20,7 +20,7 @@ A pipeline's scenario may give its runners costs of their own (`batchserve simul
 --pipeline`): `runners: {tokenize: {intercept_ms: 0.2, per_item_ms: 0.05}}` overrides the given
 keys of each phase's cost for that runner; a runner not named there costs what `cost` says.
 
-The cost of a batch is its model-thread CPU time: `intercept_ms + per_item_ms * rows` times a
+The cost of a batch is the model's CPU time: `intercept_ms + per_item_ms * rows` times a
 lognormal factor of sigma `noise`, or a batch drawn from a recording (`replay: FILE`, a path
 relative to the scenario file; it replaces the three keys above). What the batch takes on the
 clock, its wall time, is that cost inflated by what a shared machine adds:
