@@ -17,14 +17,18 @@ def test_a_torch_model_on_two_threads_is_charged_both() -> None:
     spent: dict[str, float] = {}
 
     def model_thread() -> None:
+        before = torch.get_num_threads()
         torch.set_num_threads(2)
-        a, b = torch.ones(256, 1024), torch.ones(1024, 1024)
-        a @ b  # the pool starts with its first call
-        clock = ModelCpu()
-        cpu, own = clock(), time.thread_time()
-        for _ in range(40):
-            a @ b
-        spent["model"], spent["own"] = clock() - cpu, time.thread_time() - own
+        try:
+            a, b = torch.ones(256, 1024), torch.ones(1024, 1024)
+            a @ b  # the pool starts with its first call
+            clock = ModelCpu()
+            cpu, own = clock(), time.thread_time()
+            for _ in range(40):
+                a @ b
+            spent["model"], spent["own"] = clock() - cpu, time.thread_time() - own
+        finally:
+            torch.set_num_threads(before)
 
     thread = threading.Thread(target=model_thread)
     thread.start()
@@ -33,15 +37,19 @@ def test_a_torch_model_on_two_threads_is_charged_both() -> None:
 
 
 class Threads:
-    """Helper threads and their CPU as a test sets them."""
+    """Helper threads and their CPU as a test sets them; the thread count is `shown`."""
 
     def __init__(self) -> None:
         self.cpu: dict[int, float] = {}
         self.ended: set[int] = set()
         self.now = 0.0
+        self.shown = 0
 
     def found(self) -> set[int]:
         return set(self.cpu) - self.ended
+
+    def count(self) -> int:
+        return self.shown
 
     def read(self, tid: int) -> float:
         if tid in self.ended:
@@ -51,7 +59,8 @@ class Threads:
 
 def test_a_helper_counts_from_when_it_is_found_and_keeps_what_it_spent_once_ended() -> None:
     threads, own = Threads(), [1.0]
-    clock = ModelCpu(threads.found, threads.read, lambda: own[0], lambda: threads.now)
+    clock = ModelCpu(threads.found, threads.read, lambda: own[0], threads.count,
+                     lambda: threads.now)
     threads.cpu[7] = 2.0
     start = clock()
     assert start == 1.0  # the helper's CPU before it was found is not the model's
@@ -67,3 +76,16 @@ def test_a_helper_counts_from_when_it_is_found_and_keeps_what_it_spent_once_ende
     assert clock() - start == 1.75
     threads.now += RESCAN_S
     assert clock() - start == 1.75
+
+
+def test_a_helper_is_looked_for_as_soon_as_the_thread_count_changes() -> None:
+    # A model's pool starts inside its first call: found a second later, the calibration's
+    # batches would be priced at the calling thread's CPU alone.
+    threads, own = Threads(), [1.0]
+    clock = ModelCpu(threads.found, threads.read, lambda: own[0], threads.count,
+                     lambda: threads.now)
+    start = clock()
+    threads.cpu[7], threads.shown = 0.5, 1  # the pool starts: the process has a thread more
+    assert clock() - start == 0.0  # found at once, counting from now
+    threads.cpu[7] = 0.75
+    assert clock() - start == 0.25
